@@ -1,0 +1,96 @@
+//! The deployment files can't be run here (no container engine), so their key fields are checked.
+
+use serde_yaml::Value;
+
+fn load(path: &str) -> Value {
+    let full = format!("{}/{path}", env!("CARGO_MANIFEST_DIR"));
+    let text = std::fs::read_to_string(&full).unwrap_or_else(|e| panic!("read {full}: {e}"));
+    serde_yaml::from_str(&text).unwrap_or_else(|e| panic!("{full} is not valid YAML: {e}"))
+}
+
+fn env_names(container: &Value) -> Vec<String> {
+    container["env"]
+        .as_sequence()
+        .expect("env list")
+        .iter()
+        .map(|e| e["name"].as_str().expect("env name").to_owned())
+        .collect()
+}
+
+#[test]
+fn compose_runs_rabbitmq_with_management_and_the_worker() {
+    let doc = load("compose/docker-compose.yml");
+    let rabbit = &doc["services"]["rabbitmq"];
+    assert!(rabbit["image"].as_str().unwrap().contains("management"));
+    let ports: Vec<&str> = rabbit["ports"]
+        .as_sequence()
+        .unwrap()
+        .iter()
+        .map(|p| p.as_str().unwrap())
+        .collect();
+    assert!(ports.contains(&"5672:5672"), "{ports:?}");
+    assert!(ports.contains(&"15672:15672"), "{ports:?}");
+
+    let worker = &doc["services"]["worker"];
+    assert_eq!(worker["build"]["dockerfile"].as_str(), Some("compose/Dockerfile"));
+    let url = worker["environment"]["AMQP_URL"].as_str().unwrap();
+    assert!(url.contains("@rabbitmq:5672"), "worker must reach the rabbitmq service: {url}");
+    assert_eq!(
+        worker["depends_on"]["rabbitmq"]["condition"].as_str(),
+        Some("service_healthy")
+    );
+}
+
+#[test]
+fn dockerfile_is_multi_stage_and_runs_as_non_root() {
+    let path = format!("{}/compose/Dockerfile", env!("CARGO_MANIFEST_DIR"));
+    let text = std::fs::read_to_string(path).unwrap();
+    let stages = text.lines().filter(|l| l.starts_with("FROM ")).count();
+    assert!(stages >= 2, "multi-stage build expected");
+    assert!(text.contains("--example image_processing"));
+    let user = text
+        .lines()
+        .rev()
+        .find(|l| l.starts_with("USER "))
+        .expect("a USER line");
+    assert_ne!(user.trim(), "USER root");
+    assert_ne!(user.trim(), "USER 0");
+}
+
+#[test]
+fn kubernetes_deployment_has_probes_grace_limits_and_env() {
+    let doc = load("compose/kubernetes/deployment.yaml");
+    assert_eq!(doc["kind"].as_str(), Some("Deployment"));
+    let spec = &doc["spec"]["template"]["spec"];
+    let container = &spec["containers"][0];
+
+    assert_eq!(container["livenessProbe"]["httpGet"]["path"].as_str(), Some("/livez"));
+    assert_eq!(container["readinessProbe"]["httpGet"]["path"].as_str(), Some("/readyz"));
+    assert!(container["resources"]["limits"]["memory"].as_str().is_some());
+    assert!(container["resources"]["limits"]["cpu"].as_str().is_some());
+
+    let names = env_names(container);
+    for required in [
+        "AMQP_URL",
+        "REDELIVER_PREFETCH",
+        "REDELIVER_CONCURRENCY",
+        "REDELIVER_HEALTH_ADDR",
+        "REDELIVER_GRACE_PERIOD_SECS",
+        "RUST_LOG",
+    ] {
+        assert!(names.iter().any(|n| n == required), "missing env {required}");
+    }
+
+    // The kubelet's SIGKILL must come after the worker's own grace period ends.
+    let grace: u64 = container["env"]
+        .as_sequence()
+        .unwrap()
+        .iter()
+        .find(|e| e["name"].as_str() == Some("REDELIVER_GRACE_PERIOD_SECS"))
+        .and_then(|e| e["value"].as_str())
+        .and_then(|v| v.parse().ok())
+        .expect("grace period value");
+    let termination = spec["terminationGracePeriodSeconds"].as_u64().expect("grace");
+    assert!(termination > grace, "{termination} <= {grace}");
+    assert_eq!(spec["securityContext"]["runAsNonRoot"].as_bool(), Some(true));
+}
