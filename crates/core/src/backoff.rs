@@ -1,0 +1,261 @@
+//! Un-jittered delay schedules.
+
+use std::time::Duration;
+
+/// Largest [`Duration`] expressed in nanoseconds.
+const MAX_NANOS: u128 = Duration::MAX.as_nanos();
+
+/// Builds a [`Duration`] from nanoseconds, saturating at [`Duration::MAX`].
+pub(crate) fn from_nanos_saturating(nanos: u128) -> Duration {
+    if nanos >= MAX_NANOS {
+        return Duration::MAX;
+    }
+    // Both casts are lossless: nanos < MAX_NANOS means secs <= u64::MAX.
+    Duration::new(
+        (nanos / 1_000_000_000) as u64,
+        (nanos % 1_000_000_000) as u32,
+    )
+}
+
+/// Builds a [`Duration`] from a nanosecond count held in an `f64`, rounding to the nearest
+/// nanosecond. NaN and negative values give zero, anything at or above [`Duration::MAX`]
+/// (including infinity) gives [`Duration::MAX`]; `Duration::from_secs_f64` would panic on those.
+pub(crate) fn from_nanos_f64(nanos: f64) -> Duration {
+    if nanos.is_nan() || nanos <= 0.0 {
+        return Duration::ZERO;
+    }
+    if nanos >= MAX_NANOS as f64 {
+        return Duration::MAX;
+    }
+    from_nanos_saturating(nanos.round() as u128)
+}
+
+/// How long to wait before retry number `attempt` (0 = first retry), before any jitter.
+///
+/// Every variant saturates instead of overflowing: any `attempt` up to `u32::MAX`, any factor
+/// (even NaN or infinity) and any durations up to [`Duration::MAX`] give a result without
+/// panicking.
+///
+/// ```
+/// use std::time::Duration;
+/// use redeliver_core::Backoff;
+///
+/// let b = Backoff::Exponential {
+///     base: Duration::from_millis(100),
+///     factor: 2.0,
+///     cap: Duration::from_secs(1),
+/// };
+/// assert_eq!(b.delay(0), Duration::from_millis(100));
+/// assert_eq!(b.delay(3), Duration::from_millis(800));
+/// assert_eq!(b.delay(4), Duration::from_secs(1)); // capped
+/// assert_eq!(b.delay(u32::MAX), Duration::from_secs(1));
+/// ```
+#[derive(Clone, Debug, PartialEq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
+pub enum Backoff {
+    /// The same delay for every retry.
+    Constant(Duration),
+    /// `min(cap, base + step * attempt)`.
+    Linear {
+        /// Delay of the first retry.
+        base: Duration,
+        /// Added for each further retry.
+        step: Duration,
+        /// Upper bound of every delay.
+        cap: Duration,
+    },
+    /// `min(cap, base * factor^attempt)`. A `factor` that is NaN or below 1.0 is treated as 1.0:
+    /// a shrinking backoff is never what a retry policy wants.
+    Exponential {
+        /// Delay of the first retry.
+        base: Duration,
+        /// Growth per retry (2.0 doubles).
+        factor: f64,
+        /// Upper bound of every delay.
+        cap: Duration,
+    },
+    /// An explicit schedule: retry `attempt` waits `delays[attempt]`; past the end the last
+    /// element repeats; an empty schedule means no delay.
+    Fixed(Vec<Duration>),
+}
+
+impl Backoff {
+    /// The delay of retry number `attempt` (0 = first retry), without jitter.
+    pub fn delay(&self, attempt: u32) -> Duration {
+        match self {
+            Backoff::Constant(d) => *d,
+            Backoff::Linear { base, step, cap } => {
+                let grown = step.as_nanos().saturating_mul(u128::from(attempt));
+                from_nanos_saturating(base.as_nanos().saturating_add(grown)).min(*cap)
+            }
+            Backoff::Exponential { base, factor, cap } => {
+                exponential(*base, *factor, *cap, attempt)
+            }
+            Backoff::Fixed(delays) => delays
+                .get(attempt as usize)
+                .or_else(|| delays.last())
+                .copied()
+                .unwrap_or(Duration::ZERO),
+        }
+    }
+
+    /// The smallest delay the schedule starts from: what decorrelated jitter uses as its lower
+    /// bound (and as "previous delay" on a first retry).
+    pub fn base(&self) -> Duration {
+        match self {
+            Backoff::Constant(d) => *d,
+            Backoff::Linear { base, cap, .. } | Backoff::Exponential { base, cap, .. } => {
+                (*base).min(*cap)
+            }
+            Backoff::Fixed(delays) => delays.first().copied().unwrap_or(Duration::ZERO),
+        }
+    }
+
+    /// The largest delay the schedule can produce: no jitter goes above it.
+    pub fn cap(&self) -> Duration {
+        match self {
+            Backoff::Constant(d) => *d,
+            Backoff::Linear { cap, .. } | Backoff::Exponential { cap, .. } => *cap,
+            Backoff::Fixed(delays) => delays.iter().copied().max().unwrap_or(Duration::ZERO),
+        }
+    }
+}
+
+fn exponential(base: Duration, factor: f64, cap: Duration, attempt: u32) -> Duration {
+    // 0 * inf would be NaN; a zero base stays zero whatever the factor.
+    if base.is_zero() || attempt == 0 {
+        return base.min(cap);
+    }
+    let factor = if factor >= 1.0 { factor } else { 1.0 };
+    // Nanoseconds rather than seconds: integer factors then give exact results (100 ms * 2^3 is
+    // exactly 800 ms), since f64 holds integers exactly up to 2^53 ns (about 104 days).
+    let nanos = base.as_nanos() as f64 * factor.powf(f64::from(attempt));
+    if nanos.is_nan() || nanos >= cap.as_nanos() as f64 {
+        return cap;
+    }
+    from_nanos_f64(nanos).min(cap)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ms(n: u64) -> Duration {
+        Duration::from_millis(n)
+    }
+
+    #[test]
+    fn exponential_exact_sequence() {
+        let b = Backoff::Exponential {
+            base: ms(100),
+            factor: 2.0,
+            cap: Duration::from_secs(60),
+        };
+        let got: Vec<Duration> = (0..12).map(|n| b.delay(n)).collect();
+        let want: Vec<Duration> = [
+            100, 200, 400, 800, 1600, 3200, 6400, 12800, 25600, 51200, 60000, 60000,
+        ]
+        .into_iter()
+        .map(ms)
+        .collect();
+        assert_eq!(got, want);
+        assert_eq!(b.delay(u32::MAX), Duration::from_secs(60));
+    }
+
+    #[test]
+    fn exponential_fractional_factor() {
+        let b = Backoff::Exponential {
+            base: Duration::from_secs(1),
+            factor: 1.5,
+            cap: Duration::from_secs(10),
+        };
+        assert_eq!(b.delay(1), ms(1500));
+        assert_eq!(b.delay(2), ms(2250));
+        assert_eq!(b.delay(3), ms(3375));
+    }
+
+    #[test]
+    fn exponential_degenerate_factors_and_bases() {
+        let cap = Duration::from_secs(60);
+        for factor in [f64::NAN, -3.0, 0.0, 0.5, 1.0] {
+            let b = Backoff::Exponential {
+                base: ms(100),
+                factor,
+                cap,
+            };
+            assert_eq!(b.delay(0), ms(100), "factor {factor}");
+            assert_eq!(b.delay(u32::MAX), ms(100), "factor {factor}");
+        }
+        for factor in [f64::INFINITY, f64::MAX, 1e300] {
+            let b = Backoff::Exponential {
+                base: ms(100),
+                factor,
+                cap,
+            };
+            assert_eq!(b.delay(0), ms(100));
+            assert_eq!(b.delay(1), cap);
+            assert_eq!(b.delay(u32::MAX), cap);
+        }
+        let b = Backoff::Exponential {
+            base: Duration::ZERO,
+            factor: f64::INFINITY,
+            cap,
+        };
+        assert_eq!(b.delay(u32::MAX), Duration::ZERO);
+        let b = Backoff::Exponential {
+            base: Duration::MAX,
+            factor: 2.0,
+            cap: Duration::MAX,
+        };
+        assert_eq!(b.delay(u32::MAX), Duration::MAX);
+        let b = Backoff::Exponential {
+            base: Duration::from_secs(120),
+            factor: 2.0,
+            cap,
+        };
+        assert_eq!(b.delay(0), cap, "a base above the cap is capped too");
+    }
+
+    #[test]
+    fn constant_linear_fixed() {
+        assert_eq!(Backoff::Constant(ms(5)).delay(u32::MAX), ms(5));
+
+        let b = Backoff::Linear {
+            base: ms(100),
+            step: ms(50),
+            cap: ms(300),
+        };
+        let got: Vec<Duration> = (0..6).map(|n| b.delay(n)).collect();
+        assert_eq!(got, [100, 150, 200, 250, 300, 300].map(ms));
+        let b = Backoff::Linear {
+            base: Duration::MAX,
+            step: Duration::MAX,
+            cap: Duration::MAX,
+        };
+        assert_eq!(b.delay(u32::MAX), Duration::MAX);
+
+        let b = Backoff::Fixed(vec![ms(1), ms(10), ms(5)]);
+        let got: Vec<Duration> = [0, 1, 2, 3, u32::MAX].map(|n| b.delay(n)).to_vec();
+        assert_eq!(got, [1, 10, 5, 5, 5].map(ms));
+        assert_eq!(b.base(), ms(1));
+        assert_eq!(b.cap(), ms(10));
+        let empty = Backoff::Fixed(vec![]);
+        assert_eq!(empty.delay(0), Duration::ZERO);
+        assert_eq!(empty.cap(), Duration::ZERO);
+    }
+
+    #[test]
+    fn float_conversion_guards() {
+        assert_eq!(from_nanos_f64(f64::NAN), Duration::ZERO);
+        assert_eq!(from_nanos_f64(-1.0), Duration::ZERO);
+        assert_eq!(from_nanos_f64(f64::NEG_INFINITY), Duration::ZERO);
+        assert_eq!(from_nanos_f64(f64::INFINITY), Duration::MAX);
+        assert_eq!(from_nanos_f64(1e40), Duration::MAX);
+        assert_eq!(from_nanos_f64(1.4), Duration::from_nanos(1));
+        assert_eq!(from_nanos_saturating(u128::MAX), Duration::MAX);
+        assert_eq!(
+            from_nanos_saturating(Duration::MAX.as_nanos() - 1),
+            Duration::MAX - Duration::from_nanos(1)
+        );
+    }
+}
