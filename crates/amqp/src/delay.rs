@@ -1,0 +1,583 @@
+//! The binary TTL delay infrastructure (the NServiceBus RabbitMQ transport's scheme).
+//!
+//! A delay `d` becomes `n = ceil(d / g)` ticks of the granularity `g`, written as `L` bits most
+//! significant first. The routing key is those bits as `L` words, then the destination queue's
+//! name: `b(L-1). ... .b1.b0.{queue}`.
+//!
+//! For each level `k` there is a topic exchange and a queue, both named
+//! `{prefix}redeliver.delay.{k}`. The queue holds messages for `2^k * g` (`x-message-ttl`) and then
+//! dead-letters them to exchange `k - 1` (level 0 to `{prefix}redeliver.delay.deliver`), keeping the
+//! routing key. Exchange `k` sends a key with a `1` at bit `k`'s word to queue `k`, and a key with a
+//! `0` there straight on to exchange `k - 1` (an exchange-to-exchange binding). A message therefore
+//! waits exactly in the levels of its set bits, and since every message in one level queue has the
+//! same TTL, expiry order is arrival order: a short delay never waits behind a long one.
+//!
+//! `deliver` is a topic exchange where each consumer queue `Q` binds with `L` `*` words and then
+//! `Q`'s words. A publish goes to the exchange of the highest set bit (skipping empty hops); delay
+//! 0 goes straight to `deliver`. Every delay exchange has the alternate exchange
+//! `{prefix}redeliver.delay.unroutable` (fanout, bound to a quorum queue of the same name), which
+//! parks messages whose destination queue is gone instead of losing them.
+//!
+//! ```
+//! use redeliver_amqp::delay::DelayConfig;
+//! use std::time::Duration;
+//!
+//! let cfg = DelayConfig::new().levels(4);
+//! // 50 ms = 5 ticks of 10 ms = 0b0101: first wait in level 2 (40 ms), then level 0 (10 ms).
+//! let r = cfg.route("orders", Duration::from_millis(50)).unwrap();
+//! assert_eq!(r.exchange, "redeliver.delay.2");
+//! assert_eq!(r.routing_key, "0.1.0.1.orders");
+//! assert_eq!(cfg.deliver_binding_key("orders"), "*.*.*.*.orders");
+//! ```
+
+use crate::names::{self, NameError};
+use crate::topology::{ops, QueueType, TopologyError};
+use lapin::types::{AMQPValue, FieldTable, LongString};
+use lapin::ExchangeKind;
+use std::time::Duration;
+
+/// RabbitMQ refuses an `x-message-ttl` above 2^32 - 1 ms.
+const MAX_TTL_MS: u128 = u32::MAX as u128;
+/// 2^(L-1) ticks of at least 1 ms must fit [`MAX_TTL_MS`].
+const MAX_LEVELS: u8 = 32;
+
+/// What to do with a delay above [`DelayConfig::max_delay`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum OverMax {
+    /// Refuse it with [`DelayError::TooLong`].
+    #[default]
+    Reject,
+    /// Deliver it after the maximum delay instead.
+    Clamp,
+}
+
+/// Configuration of the delay infrastructure of one vhost (shared by all its consumers).
+///
+/// Defaults: no prefix, granularity 10 ms, 24 levels (max delay (2^24 - 1) * 10 ms, about 46.6 h),
+/// quorum level queues, delays above the maximum rejected.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DelayConfig {
+    prefix: String,
+    granularity: Duration,
+    levels: u8,
+    queue_type: QueueType,
+    over_max: OverMax,
+}
+
+impl Default for DelayConfig {
+    fn default() -> Self {
+        Self {
+            prefix: String::new(),
+            granularity: Duration::from_millis(10),
+            levels: 24,
+            queue_type: QueueType::Quorum,
+            over_max: OverMax::Reject,
+        }
+    }
+}
+
+/// Where to publish a message so that it reaches its queue after the requested delay.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DelayRoute {
+    /// Exchange to publish to: the level of the highest set bit, or `deliver` for zero ticks.
+    pub exchange: String,
+    /// `L` words of `0`/`1` (most significant bit first), then the queue name.
+    pub routing_key: String,
+    /// The delay in ticks of the granularity: `ceil(delay / granularity)` (clamped if configured).
+    pub ticks: u64,
+    /// The delay the message will actually get (`ticks * granularity`, before broker latency).
+    pub effective: Duration,
+}
+
+/// Why a delay cannot be routed.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum DelayError {
+    /// The delay exceeds what the levels can express and clamping is off.
+    #[error("delay {requested:?} exceeds the maximum delay {max:?} of the delay infrastructure (raise the level count or granularity, or enable clamping)")]
+    TooLong {
+        /// The requested delay.
+        requested: Duration,
+        /// [`DelayConfig::max_delay`].
+        max: Duration,
+    },
+    /// The destination queue's name cannot be used as topic words.
+    #[error(transparent)]
+    InvalidName(#[from] NameError),
+    /// Granularity or level count are out of range.
+    #[error("invalid delay configuration: {reason}")]
+    InvalidConfig {
+        /// What is wrong.
+        reason: String,
+    },
+}
+
+impl DelayConfig {
+    /// The default configuration (see [`DelayConfig`]).
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Prefix of every delay object's name (`{prefix}redeliver.delay.{k}`); use it to isolate
+    /// tests or tenants. Empty by default.
+    pub fn prefix(mut self, p: impl Into<String>) -> Self {
+        self.prefix = p.into();
+        self
+    }
+
+    /// Tick length `g` (default 10 ms). Must be a whole number of milliseconds, at least 1 ms,
+    /// since RabbitMQ TTLs are in milliseconds. Delays are rounded up to a multiple of it.
+    pub fn granularity(mut self, g: Duration) -> Self {
+        self.granularity = g;
+        self
+    }
+
+    /// Number of levels `L` (default 24, at most 32 and limited by 2^(L-1) * g <= 2^32 - 1 ms).
+    /// The maximum delay is `(2^L - 1) * g`.
+    pub fn levels(mut self, l: u8) -> Self {
+        self.levels = l;
+        self
+    }
+
+    /// Queue type of the level queues: quorum (default, at-least-once dead-lettering so a hop
+    /// never drops a message) or classic (faster, at-most-once between hops).
+    pub fn queue_type(mut self, t: QueueType) -> Self {
+        self.queue_type = t;
+        self
+    }
+
+    /// Clamp delays above the maximum to the maximum instead of refusing them.
+    pub fn clamp_over_max(mut self, yes: bool) -> Self {
+        self.over_max = if yes { OverMax::Clamp } else { OverMax::Reject };
+        self
+    }
+
+    /// The configured name prefix.
+    pub fn get_prefix(&self) -> &str {
+        &self.prefix
+    }
+
+    /// The configured granularity.
+    pub fn get_granularity(&self) -> Duration {
+        self.granularity
+    }
+
+    /// The configured level count.
+    pub fn get_levels(&self) -> u8 {
+        self.levels
+    }
+
+    /// The configured level queue type.
+    pub fn get_queue_type(&self) -> QueueType {
+        self.queue_type
+    }
+
+    /// What happens to delays above the maximum.
+    pub fn get_over_max(&self) -> OverMax {
+        self.over_max
+    }
+
+    /// Checks granularity and level count.
+    pub fn validate(&self) -> Result<(), DelayError> {
+        let invalid = |reason: String| Err(DelayError::InvalidConfig { reason });
+        let g_ns = self.granularity.as_nanos();
+        if g_ns < 1_000_000 || !g_ns.is_multiple_of(1_000_000) {
+            return invalid(format!(
+                "granularity {:?} must be a whole number of milliseconds, at least 1 ms",
+                self.granularity
+            ));
+        }
+        if self.levels == 0 || self.levels > MAX_LEVELS {
+            return invalid(format!(
+                "level count {} must be between 1 and {MAX_LEVELS}",
+                self.levels
+            ));
+        }
+        let top_ttl = (1u128 << (self.levels - 1)) * self.granularity.as_millis();
+        if top_ttl > MAX_TTL_MS {
+            return invalid(format!(
+                "the top level's TTL of {top_ttl} ms exceeds RabbitMQ's maximum of {MAX_TTL_MS} ms; use fewer levels or a finer granularity"
+            ));
+        }
+        Ok(())
+    }
+
+    /// Largest delay that can be expressed: `(2^L - 1) * g`.
+    pub fn max_delay(&self) -> Duration {
+        let ms = self
+            .max_ticks()
+            .saturating_mul(self.granularity.as_millis());
+        Duration::from_millis(u64::try_from(ms).unwrap_or(u64::MAX))
+    }
+
+    /// Largest tick count: `2^L - 1`.
+    fn max_ticks(&self) -> u128 {
+        (1u128 << self.levels.min(64)) - 1
+    }
+
+    /// Name of level `k`'s exchange and queue: `{prefix}redeliver.delay.{k}`.
+    pub fn level_name(&self, k: u8) -> String {
+        format!("{}redeliver.delay.{k}", self.prefix)
+    }
+
+    /// Name of the exchange the last level dead-letters into: `{prefix}redeliver.delay.deliver`.
+    pub fn deliver_exchange(&self) -> String {
+        format!("{}redeliver.delay.deliver", self.prefix)
+    }
+
+    /// Name of the alternate exchange and its queue: `{prefix}redeliver.delay.unroutable`.
+    pub fn unroutable_name(&self) -> String {
+        format!("{}redeliver.delay.unroutable", self.prefix)
+    }
+
+    /// TTL of level `k`'s queue: `2^k * g`.
+    pub fn level_ttl(&self, k: u8) -> Duration {
+        let ms = (1u128 << k.min(64)).saturating_mul(self.granularity.as_millis());
+        Duration::from_millis(u64::try_from(ms).unwrap_or(u64::MAX))
+    }
+
+    /// Where to publish a message so it reaches `queue` after `delay`.
+    ///
+    /// `n = ceil(delay / g)`; the message never arrives earlier than `delay`. Errors when the
+    /// queue name is not topic-safe ([`names::validate_routed_queue_name`]), when the
+    /// configuration is invalid, or when the delay exceeds [`Self::max_delay`] and clamping is off.
+    pub fn route(&self, queue: &str, delay: Duration) -> Result<DelayRoute, DelayError> {
+        self.validate()?;
+        names::validate_routed_queue_name(queue, self.levels)?;
+        let g = self.granularity.as_nanos();
+        let mut ticks = delay.as_nanos().div_ceil(g);
+        if ticks > self.max_ticks() {
+            match self.over_max {
+                OverMax::Reject => {
+                    return Err(DelayError::TooLong {
+                        requested: delay,
+                        max: self.max_delay(),
+                    })
+                }
+                OverMax::Clamp => ticks = self.max_ticks(),
+            }
+        }
+        // validate() bounds L to 32, so ticks < 2^32.
+        let ticks = u64::try_from(ticks).unwrap_or(u64::MAX);
+        let l = u32::from(self.levels);
+        let mut key = String::with_capacity(2 * self.levels as usize + queue.len());
+        for bit in (0..l).rev() {
+            key.push(if ticks >> bit & 1 == 1 { '1' } else { '0' });
+            key.push('.');
+        }
+        key.push_str(queue);
+        let exchange = match ticks {
+            0 => self.deliver_exchange(),
+            // Highest set bit; fits u8 since ticks < 2^32.
+            t => self.level_name((63 - t.leading_zeros()) as u8),
+        };
+        Ok(DelayRoute {
+            exchange,
+            routing_key: key,
+            ticks,
+            effective: Duration::from_millis(
+                ticks.saturating_mul(u64::try_from(self.granularity.as_millis()).unwrap_or(0)),
+            ),
+        })
+    }
+
+    /// Binding key of `queue` on the deliver exchange: `L` `*` words, then the queue's words
+    /// (not `#.{queue}`, which would also match a queue whose name ends with `.{queue}`).
+    pub fn deliver_binding_key(&self, queue: &str) -> String {
+        let mut key = "*.".repeat(self.levels as usize);
+        key.push_str(queue);
+        key
+    }
+
+    /// Binding key on level `k`'s exchange: `bit` at bit `k`'s word, `*` elsewhere, then `#`.
+    pub fn level_binding_key(&self, k: u8, bit: bool) -> String {
+        let mut words: Vec<&str> = vec!["*"; self.levels as usize];
+        let pos = usize::from(self.levels.saturating_sub(1).saturating_sub(k));
+        if let Some(w) = words.get_mut(pos) {
+            *w = if bit { "1" } else { "0" };
+        }
+        words.push("#");
+        words.join(".")
+    }
+
+    /// Where level `k`'s queue dead-letters and its `0` binding points: exchange `k - 1`, or the
+    /// deliver exchange for level 0.
+    pub fn next_exchange(&self, k: u8) -> String {
+        match k {
+            0 => self.deliver_exchange(),
+            k => self.level_name(k - 1),
+        }
+    }
+
+    /// Arguments of every delay exchange: the alternate exchange.
+    pub fn exchange_arguments(&self) -> FieldTable {
+        let mut t = FieldTable::default();
+        t.insert("alternate-exchange".into(), text(&self.unroutable_name()));
+        t
+    }
+
+    /// Arguments of level `k`'s queue.
+    pub fn level_queue_arguments(&self, k: u8) -> FieldTable {
+        let mut t = FieldTable::default();
+        let ttl = u64::try_from(self.level_ttl(k).as_millis()).unwrap_or(u64::MAX);
+        t.insert(
+            "x-message-ttl".into(),
+            AMQPValue::LongLongInt(i64::try_from(ttl).unwrap_or(i64::MAX)),
+        );
+        t.insert(
+            "x-dead-letter-exchange".into(),
+            text(&self.next_exchange(k)),
+        );
+        if self.queue_type == QueueType::Quorum {
+            t.insert("x-queue-type".into(), text("quorum"));
+            t.insert("x-dead-letter-strategy".into(), text("at-least-once"));
+            t.insert("x-overflow".into(), text("reject-publish"));
+        }
+        t
+    }
+
+    /// Arguments of the unroutable queue (always quorum: it parks messages for an operator).
+    pub fn unroutable_queue_arguments(&self) -> FieldTable {
+        let mut t = FieldTable::default();
+        t.insert("x-queue-type".into(), text("quorum"));
+        t
+    }
+
+    /// Every declaration, in an order where each binding's ends already exist.
+    fn declare_ops(&self, passive: bool) -> Vec<ops::Op> {
+        use ops::Op;
+        let unroutable = self.unroutable_name();
+        let mut v = vec![
+            Op::Exchange {
+                name: unroutable.clone(),
+                kind: ExchangeKind::Fanout,
+                args: FieldTable::default(),
+                passive,
+            },
+            Op::Queue {
+                name: unroutable.clone(),
+                args: self.unroutable_queue_arguments(),
+                passive,
+            },
+        ];
+        if !passive {
+            v.push(Op::BindQueue {
+                queue: unroutable.clone(),
+                exchange: unroutable,
+                key: String::new(),
+            });
+        }
+        v.push(Op::Exchange {
+            name: self.deliver_exchange(),
+            kind: ExchangeKind::Topic,
+            args: self.exchange_arguments(),
+            passive,
+        });
+        for k in 0..self.levels {
+            let name = self.level_name(k);
+            v.push(Op::Exchange {
+                name: name.clone(),
+                kind: ExchangeKind::Topic,
+                args: self.exchange_arguments(),
+                passive,
+            });
+            v.push(Op::Queue {
+                name: name.clone(),
+                args: self.level_queue_arguments(k),
+                passive,
+            });
+            if !passive {
+                v.push(Op::BindQueue {
+                    queue: name.clone(),
+                    exchange: name.clone(),
+                    key: self.level_binding_key(k, true),
+                });
+                v.push(Op::BindExchange {
+                    destination: self.next_exchange(k),
+                    source: name,
+                    key: self.level_binding_key(k, false),
+                });
+            }
+        }
+        v
+    }
+
+    /// Declares every delay object (idempotent). A mismatch with an existing object is a
+    /// [`TopologyError::Mismatch`]; declarations run on a channel of their own, so none of the
+    /// caller's channels is closed by the broker's 406.
+    pub async fn declare(&self, conn: &lapin::Connection) -> Result<(), TopologyError> {
+        self.validate()?;
+        ops::Session::new(conn)
+            .run_all(self.declare_ops(false))
+            .await
+    }
+
+    /// Checks with passive declares that every delay exchange and queue exists, without needing
+    /// the configure permission. Bindings and arguments cannot be checked passively.
+    pub async fn verify(&self, conn: &lapin::Connection) -> Result<(), TopologyError> {
+        self.validate()?;
+        ops::Session::new(conn)
+            .run_all(self.declare_ops(true))
+            .await
+    }
+
+    /// Deletes every delay exchange and queue, messages included (for tests and the CLI).
+    /// Objects that do not exist are skipped.
+    pub async fn delete(&self, conn: &lapin::Connection) -> Result<(), TopologyError> {
+        use ops::Op;
+        let mut v = Vec::new();
+        for k in (0..self.levels).rev() {
+            v.push(Op::DeleteQueue {
+                name: self.level_name(k),
+            });
+            v.push(Op::DeleteExchange {
+                name: self.level_name(k),
+            });
+        }
+        v.push(Op::DeleteExchange {
+            name: self.deliver_exchange(),
+        });
+        v.push(Op::DeleteQueue {
+            name: self.unroutable_name(),
+        });
+        v.push(Op::DeleteExchange {
+            name: self.unroutable_name(),
+        });
+        ops::Session::new(conn).run_all(v).await
+    }
+}
+
+fn text(s: &str) -> AMQPValue {
+    AMQPValue::LongString(LongString::from(s.as_bytes()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ms(n: u64) -> Duration {
+        Duration::from_millis(n)
+    }
+
+    #[test]
+    fn exact_keys() {
+        let c = DelayConfig::new();
+        let zeros = "0.".repeat(24);
+        let r = c.route("q", Duration::ZERO).unwrap();
+        assert_eq!(r.exchange, "redeliver.delay.deliver");
+        assert_eq!(r.routing_key, format!("{zeros}q"));
+        assert_eq!((r.ticks, r.effective), (0, Duration::ZERO));
+
+        let r = c.route("q", ms(10)).unwrap();
+        assert_eq!(r.exchange, "redeliver.delay.0");
+        assert_eq!(r.routing_key, format!("{}1.q", "0.".repeat(23)));
+
+        // 1 ns rounds up to one tick: never earlier than asked.
+        assert_eq!(c.route("q", Duration::from_nanos(1)).unwrap().ticks, 1);
+        // 30 ms = 3 ticks = 0b11.
+        let r = c.route("a.b", ms(30)).unwrap();
+        assert_eq!(r.exchange, "redeliver.delay.1");
+        assert_eq!(r.routing_key, format!("{}1.1.a.b", "0.".repeat(22)));
+        // 3.3 s = 330 ticks = 0b1_0100_1010.
+        let r = c.route("q", ms(3300)).unwrap();
+        assert_eq!(r.exchange, "redeliver.delay.8");
+        assert_eq!(
+            r.routing_key,
+            format!("{}1.0.1.0.0.1.0.1.0.q", "0.".repeat(15))
+        );
+        assert_eq!(r.effective, ms(3300));
+        // 25 ms rounds up to 30.
+        assert_eq!(c.route("q", ms(25)).unwrap().effective, ms(30));
+    }
+
+    #[test]
+    fn small_config_and_prefix() {
+        let c = DelayConfig::new()
+            .prefix("t1.")
+            .levels(3)
+            .granularity(ms(100));
+        assert_eq!(c.max_delay(), ms(700));
+        let r = c.route("q", ms(500)).unwrap();
+        assert_eq!(r.exchange, "t1.redeliver.delay.2");
+        assert_eq!(r.routing_key, "1.0.1.q");
+        assert_eq!(c.level_binding_key(2, true), "1.*.*.#");
+        assert_eq!(c.level_binding_key(0, false), "*.*.0.#");
+        assert_eq!(c.next_exchange(0), "t1.redeliver.delay.deliver");
+        assert_eq!(c.next_exchange(2), "t1.redeliver.delay.1");
+        assert_eq!(c.level_ttl(2), ms(400));
+        assert_eq!(c.deliver_binding_key("a.b"), "*.*.*.a.b");
+        assert_eq!(c.unroutable_name(), "t1.redeliver.delay.unroutable");
+    }
+
+    #[test]
+    fn max_and_over_max() {
+        let c = DelayConfig::new();
+        let max = c.max_delay();
+        assert_eq!(max, ms(((1 << 24) - 1) * 10));
+        let r = c.route("q", max).unwrap();
+        assert_eq!(r.exchange, "redeliver.delay.23");
+        assert_eq!(r.routing_key, format!("{}q", "1.".repeat(24)));
+        let over = max + Duration::from_nanos(1);
+        assert_eq!(
+            c.route("q", over),
+            Err(DelayError::TooLong {
+                requested: over,
+                max
+            })
+        );
+        let clamped = c
+            .clone()
+            .clamp_over_max(true)
+            .route("q", ms(u64::MAX))
+            .unwrap();
+        assert_eq!(clamped, c.route("q", max).unwrap());
+    }
+
+    #[test]
+    fn invalid() {
+        let c = DelayConfig::new();
+        assert!(matches!(
+            c.route("a.*", ms(1)),
+            Err(DelayError::InvalidName(_))
+        ));
+        assert!(matches!(
+            c.route("", ms(1)),
+            Err(DelayError::InvalidName(_))
+        ));
+        assert!(c.route(&"x".repeat(208), ms(1)).is_err());
+        for bad in [
+            c.clone().levels(0),
+            c.clone().levels(33),
+            c.clone().levels(32).granularity(ms(2)),
+            c.clone().granularity(Duration::from_micros(1500)),
+            c.clone().granularity(Duration::ZERO),
+        ] {
+            assert!(
+                matches!(bad.route("q", ms(1)), Err(DelayError::InvalidConfig { .. })),
+                "{bad:?}"
+            );
+        }
+        assert!(c.clone().levels(32).granularity(ms(1)).validate().is_ok());
+    }
+
+    #[test]
+    fn arguments() {
+        let c = DelayConfig::new().prefix("p.");
+        let a = c.level_queue_arguments(3);
+        let get = |k: &str| a.inner().get(k).cloned();
+        assert_eq!(get("x-message-ttl"), Some(AMQPValue::LongLongInt(80)));
+        assert_eq!(
+            get("x-dead-letter-exchange"),
+            Some(text("p.redeliver.delay.2"))
+        );
+        assert_eq!(get("x-queue-type"), Some(text("quorum")));
+        assert_eq!(get("x-dead-letter-strategy"), Some(text("at-least-once")));
+        assert_eq!(get("x-overflow"), Some(text("reject-publish")));
+        let classic = c
+            .clone()
+            .queue_type(QueueType::Classic)
+            .level_queue_arguments(0);
+        assert_eq!(classic.inner().len(), 2);
+        assert_eq!(c.declare_ops(false).len(), 4 + 4 * 24);
+        assert_eq!(c.declare_ops(true).len(), 3 + 2 * 24);
+    }
+}

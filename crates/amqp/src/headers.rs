@@ -1,0 +1,409 @@
+//! Header names and the codec for retry state and the broker's `x-death` records.
+//!
+//! Every header redeliver writes is named here, so the prefix can change in one line. All values
+//! are strings or integers, so they read well in the management UI.
+//!
+//! Reading is tolerant by design: headers come from whoever published the message, so a wrong type,
+//! a negative or huge number, a string where a number belongs, an array, or a missing field all
+//! decode to the default instead of an error or a panic.
+
+use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
+use std::collections::BTreeMap;
+use std::time::{Duration, SystemTime};
+
+/// Prefix of every header this crate writes.
+pub const PREFIX: &str = "x-redeliver-";
+/// Retry number of this copy: long-long int, 1 on the first retry (absent on a fresh message).
+pub const ATTEMPT: &str = "x-redeliver-attempt";
+/// When the message first failed: an RFC 3339 string.
+pub const FIRST_FAILED_AT: &str = "x-redeliver-first-failed-at";
+/// The last handler error's message, truncated to [`LAST_ERROR_MAX_BYTES`] on a char boundary.
+pub const LAST_ERROR: &str = "x-redeliver-last-error";
+/// Exchange the original message was published to.
+pub const ORIGINAL_EXCHANGE: &str = "x-redeliver-original-exchange";
+/// Routing key the original message was published with.
+pub const ORIGINAL_ROUTING_KEY: &str = "x-redeliver-original-routing-key";
+/// Delay in milliseconds applied to reach this copy (input of decorrelated jitter).
+pub const DELAY_MS: &str = "x-redeliver-delay-ms";
+/// Why a message was dead-lettered (reserved; informative only).
+pub const DEAD_LETTER_REASON: &str = "x-redeliver-dead-letter-reason";
+/// Maximum size of [`LAST_ERROR`] in bytes.
+pub const LAST_ERROR_MAX_BYTES: usize = 1024;
+
+/// The broker's dead-letter history header (an array of tables).
+pub const X_DEATH: &str = "x-death";
+/// Prefix of the broker's `x-first-death-*` headers.
+pub const X_FIRST_DEATH_PREFIX: &str = "x-first-death-";
+/// Prefix of the broker's `x-last-death-*` headers.
+pub const X_LAST_DEATH_PREFIX: &str = "x-last-death-";
+/// Delivery counter a quorum queue sets on redelivered messages.
+pub const X_DELIVERY_COUNT: &str = "x-delivery-count";
+
+/// AMQP short strings (exchange names, routing keys) cannot exceed 255 bytes.
+const SHORT_STRING_MAX: usize = 255;
+
+/// The retry bookkeeping carried on a retried copy in the `x-redeliver-*` headers.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct RetryState {
+    /// Retries so far: 0 on a fresh message, 1 on the first retried copy.
+    pub attempt: u32,
+    /// RFC 3339 time of the first failure.
+    pub first_failed_at: Option<String>,
+    /// The last error's message (at most [`LAST_ERROR_MAX_BYTES`]).
+    pub last_error: Option<String>,
+    /// Exchange of the original publish.
+    pub original_exchange: Option<String>,
+    /// Routing key of the original publish.
+    pub original_routing_key: Option<String>,
+    /// Delay applied to reach this copy.
+    pub delay: Option<Duration>,
+}
+
+impl RetryState {
+    /// Reads the retry state from a delivery's headers.
+    ///
+    /// Never fails and never panics: a missing table or any malformed value gives the default
+    /// for that field (attempt 0, `None` otherwise). Only integer types are accepted for
+    /// [`ATTEMPT`] and [`DELAY_MS`]; negative values, and attempts above `u32::MAX`, count as garbage.
+    /// Exchange and routing key longer than 255 bytes are dropped, as they could not be published to;
+    /// so is a [`FIRST_FAILED_AT`] longer than 64 bytes (an RFC 3339 time is about 24), and
+    /// [`LAST_ERROR`] is truncated to [`LAST_ERROR_MAX_BYTES`]. Strings must be valid UTF-8.
+    ///
+    /// ```
+    /// use redeliver_amqp::headers::{RetryState, ATTEMPT};
+    /// use redeliver_amqp::lapin::types::{AMQPValue, FieldTable};
+    ///
+    /// let mut t = FieldTable::default();
+    /// t.insert(ATTEMPT.into(), AMQPValue::LongLongInt(2));
+    /// assert_eq!(RetryState::read(Some(&t)).attempt, 2);
+    /// t.insert(ATTEMPT.into(), AMQPValue::LongLongInt(-5));
+    /// assert_eq!(RetryState::read(Some(&t)).attempt, 0);
+    /// assert_eq!(RetryState::read(None), RetryState::default());
+    /// ```
+    pub fn read(headers: Option<&FieldTable>) -> Self {
+        let Some(t) = headers else {
+            return Self::default();
+        };
+        let get = |k: &str| t.inner().get(k);
+        Self {
+            attempt: get(ATTEMPT)
+                .and_then(as_u64)
+                .and_then(|v| u32::try_from(v).ok())
+                .unwrap_or(0),
+            first_failed_at: get(FIRST_FAILED_AT)
+                .and_then(as_string)
+                .filter(|s| !s.is_empty() && s.len() <= 64),
+            last_error: get(LAST_ERROR)
+                .and_then(as_string)
+                .map(|s| truncate_error(&s)),
+            original_exchange: get(ORIGINAL_EXCHANGE)
+                .and_then(as_string)
+                .filter(|s| s.len() <= SHORT_STRING_MAX),
+            original_routing_key: get(ORIGINAL_ROUTING_KEY)
+                .and_then(as_string)
+                .filter(|s| s.len() <= SHORT_STRING_MAX),
+            delay: get(DELAY_MS).and_then(as_u64).map(Duration::from_millis),
+        }
+    }
+
+    /// Writes the state into `headers`, replacing any previous `x-redeliver-*` value.
+    ///
+    /// A `None` field removes its header; the attempt is always written (long-long int).
+    pub fn write(&self, headers: &mut FieldTable) {
+        let mut map: BTreeMap<ShortString, AMQPValue> = headers.inner().clone();
+        map.insert(
+            ATTEMPT.into(),
+            AMQPValue::LongLongInt(i64::from(self.attempt)),
+        );
+        let mut set = |k: &str, v: Option<AMQPValue>| match v {
+            Some(v) => {
+                map.insert(k.into(), v);
+            }
+            None => {
+                map.remove(k);
+            }
+        };
+        let text = |s: &Option<String>| {
+            s.as_ref()
+                .map(|s| AMQPValue::LongString(LongString::from(s.as_bytes())))
+        };
+        set(FIRST_FAILED_AT, text(&self.first_failed_at));
+        set(
+            LAST_ERROR,
+            text(&self.last_error.as_deref().map(truncate_error)),
+        );
+        set(ORIGINAL_EXCHANGE, text(&self.original_exchange));
+        set(ORIGINAL_ROUTING_KEY, text(&self.original_routing_key));
+        set(
+            DELAY_MS,
+            self.delay
+                .map(|d| AMQPValue::LongLongInt(i64::try_from(d.as_millis()).unwrap_or(i64::MAX))),
+        );
+        *headers = FieldTable::from(map);
+    }
+}
+
+/// One entry of the broker's `x-death` header: one (queue, reason) pair the message died in.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct XDeath {
+    /// Queue the message was dead-lettered from.
+    pub queue: String,
+    /// `rejected`, `expired`, `maxlen` or `delivery_limit`.
+    pub reason: String,
+    /// How many times the message died in this queue for this reason.
+    pub count: u64,
+    /// Exchange the message had been published to before it died.
+    pub exchange: String,
+    /// Routing keys (including CC) the message had been published with.
+    pub routing_keys: Vec<String>,
+    /// When it died (first time), Unix seconds.
+    pub time: Option<u64>,
+}
+
+/// Parses the `x-death` header, most recent death first (the broker's order).
+///
+/// Tolerant: entries that are not tables are skipped; missing or mistyped fields become empty
+/// strings, 0 or `None`.
+///
+/// ```
+/// use redeliver_amqp::headers::x_death;
+/// assert!(x_death(None).is_empty());
+/// ```
+pub fn x_death(headers: Option<&FieldTable>) -> Vec<XDeath> {
+    let Some(AMQPValue::FieldArray(entries)) = headers.and_then(|t| t.inner().get(X_DEATH)) else {
+        return Vec::new();
+    };
+    entries
+        .as_slice()
+        .iter()
+        .filter_map(|e| match e {
+            AMQPValue::FieldTable(t) => Some(t),
+            _ => None,
+        })
+        .map(|t| {
+            let get = |k: &str| t.inner().get(k);
+            let text = |k: &str| get(k).and_then(as_string).unwrap_or_default();
+            XDeath {
+                queue: text("queue"),
+                reason: text("reason"),
+                count: get("count").and_then(as_u64).unwrap_or(0),
+                exchange: text("exchange"),
+                routing_keys: match get("routing-keys") {
+                    Some(AMQPValue::FieldArray(a)) => {
+                        a.as_slice().iter().filter_map(as_string).collect()
+                    }
+                    Some(v) => as_string(v).into_iter().collect(),
+                    None => Vec::new(),
+                },
+                time: get("time").and_then(as_u64),
+            }
+        })
+        .collect()
+}
+
+/// The headers for a retried copy: every header of `original` except `x-death`,
+/// `x-first-death-*`, `x-last-death-*`, `x-delivery-count` (all owned by the broker) and our own
+/// `x-redeliver-*`, then `state` written on top.
+///
+/// ```
+/// use redeliver_amqp::headers::{retry_copy_headers, RetryState, ATTEMPT};
+/// use redeliver_amqp::lapin::types::{AMQPValue, FieldTable};
+///
+/// let mut orig = FieldTable::default();
+/// orig.insert("tenant".into(), AMQPValue::LongString("acme".into()));
+/// orig.insert("x-death".into(), AMQPValue::Void);
+/// let copy = retry_copy_headers(Some(&orig), &RetryState { attempt: 1, ..Default::default() });
+/// assert!(copy.contains_key("tenant"));
+/// assert!(!copy.contains_key("x-death"));
+/// assert_eq!(copy.inner().get(ATTEMPT), Some(&AMQPValue::LongLongInt(1)));
+/// ```
+pub fn retry_copy_headers(original: Option<&FieldTable>, state: &RetryState) -> FieldTable {
+    let map: BTreeMap<ShortString, AMQPValue> = original
+        .map(|t| {
+            t.inner()
+                .iter()
+                .filter(|(k, _)| {
+                    let k = k.as_str();
+                    k != X_DEATH
+                        && k != X_DELIVERY_COUNT
+                        && !k.starts_with(X_FIRST_DEATH_PREFIX)
+                        && !k.starts_with(X_LAST_DEATH_PREFIX)
+                        && !k.starts_with(PREFIX)
+                })
+                .map(|(k, v)| (k.clone(), v.clone()))
+                .collect()
+        })
+        .unwrap_or_default();
+    let mut table = FieldTable::from(map);
+    state.write(&mut table);
+    table
+}
+
+/// Truncates `s` to at most [`LAST_ERROR_MAX_BYTES`] bytes, cutting on a char boundary.
+///
+/// ```
+/// use redeliver_amqp::headers::{truncate_error, LAST_ERROR_MAX_BYTES};
+/// let long = "é".repeat(1000); // 2000 bytes
+/// let t = truncate_error(&long);
+/// assert!(t.len() <= LAST_ERROR_MAX_BYTES);
+/// assert!(long.starts_with(&t));
+/// ```
+pub fn truncate_error(s: &str) -> String {
+    if s.len() <= LAST_ERROR_MAX_BYTES {
+        return s.to_owned();
+    }
+    let mut end = LAST_ERROR_MAX_BYTES;
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    s[..end].to_owned()
+}
+
+/// The current time as an RFC 3339 string with millisecond precision, UTC
+/// (e.g. `2024-05-01T12:00:00.123Z`).
+pub fn now_rfc3339() -> String {
+    humantime::format_rfc3339_millis(SystemTime::now()).to_string()
+}
+
+/// A non-negative integer of any AMQP integer type (or a timestamp); anything else is `None`.
+fn as_u64(v: &AMQPValue) -> Option<u64> {
+    match *v {
+        AMQPValue::ShortShortInt(i) => u64::try_from(i).ok(),
+        AMQPValue::ShortShortUInt(u) => Some(u64::from(u)),
+        AMQPValue::ShortInt(i) => u64::try_from(i).ok(),
+        AMQPValue::ShortUInt(u) => Some(u64::from(u)),
+        AMQPValue::LongInt(i) => u64::try_from(i).ok(),
+        AMQPValue::LongUInt(u) => Some(u64::from(u)),
+        AMQPValue::LongLongInt(i) => u64::try_from(i).ok(),
+        AMQPValue::Timestamp(t) => Some(t),
+        _ => None,
+    }
+}
+
+/// A UTF-8 string value (long or short string); invalid UTF-8 and other types are `None`.
+fn as_string(v: &AMQPValue) -> Option<String> {
+    match v {
+        AMQPValue::LongString(s) => std::str::from_utf8(s.as_bytes()).ok().map(str::to_owned),
+        AMQPValue::ShortString(s) => Some(s.as_str().to_owned()),
+        _ => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use lapin::types::FieldArray;
+
+    fn table(entries: Vec<(&str, AMQPValue)>) -> FieldTable {
+        let mut t = FieldTable::default();
+        for (k, v) in entries {
+            t.insert(k.into(), v);
+        }
+        t
+    }
+
+    #[test]
+    fn round_trip() {
+        let s = RetryState {
+            attempt: 3,
+            first_failed_at: Some(now_rfc3339()),
+            last_error: Some("boom: io: refused".into()),
+            original_exchange: Some("ex".into()),
+            original_routing_key: Some("rk.a".into()),
+            delay: Some(Duration::from_millis(1234)),
+        };
+        let mut t = FieldTable::default();
+        s.write(&mut t);
+        assert_eq!(RetryState::read(Some(&t)), s);
+        let cleared = RetryState {
+            attempt: 4,
+            ..Default::default()
+        };
+        cleared.write(&mut t);
+        assert_eq!(RetryState::read(Some(&t)), cleared);
+        assert!(!t.contains_key(LAST_ERROR));
+    }
+
+    #[test]
+    fn hostile_values() {
+        let t = table(vec![
+            (ATTEMPT, AMQPValue::LongString("7".into())),
+            (DELAY_MS, AMQPValue::LongLongInt(-1)),
+            (LAST_ERROR, AMQPValue::LongString(vec![0xff, 0xfe].into())),
+            (
+                ORIGINAL_EXCHANGE,
+                AMQPValue::LongString("e".repeat(300).into()),
+            ),
+            (
+                FIRST_FAILED_AT,
+                AMQPValue::FieldArray(FieldArray::default()),
+            ),
+        ]);
+        assert_eq!(RetryState::read(Some(&t)), RetryState::default());
+        let t = table(vec![(ATTEMPT, AMQPValue::LongLongInt(i64::MAX))]);
+        assert_eq!(RetryState::read(Some(&t)).attempt, 0);
+        let t = table(vec![(ATTEMPT, AMQPValue::ShortShortUInt(9))]);
+        assert_eq!(RetryState::read(Some(&t)).attempt, 9);
+    }
+
+    #[test]
+    fn x_death_parses_broker_shape() {
+        let entry = table(vec![
+            ("count", AMQPValue::LongLongInt(1)),
+            ("reason", AMQPValue::LongString("rejected".into())),
+            ("queue", AMQPValue::LongString("q".into())),
+            ("time", AMQPValue::Timestamp(1_700_000_000)),
+            ("exchange", AMQPValue::LongString("".into())),
+            (
+                "routing-keys",
+                AMQPValue::FieldArray(vec![AMQPValue::LongString("q".into())].into()),
+            ),
+        ]);
+        let t = table(vec![(
+            X_DEATH,
+            AMQPValue::FieldArray(
+                vec![AMQPValue::Boolean(true), AMQPValue::FieldTable(entry)].into(),
+            ),
+        )]);
+        assert_eq!(
+            x_death(Some(&t)),
+            vec![XDeath {
+                queue: "q".into(),
+                reason: "rejected".into(),
+                count: 1,
+                exchange: String::new(),
+                routing_keys: vec!["q".into()],
+                time: Some(1_700_000_000),
+            }]
+        );
+    }
+
+    #[test]
+    fn truncation_on_char_boundary() {
+        let s = format!("{}€", "a".repeat(1022)); // € is 3 bytes: 1022 + 3 > 1024
+        assert_eq!(truncate_error(&s), "a".repeat(1022));
+        assert_eq!(truncate_error("short"), "short");
+    }
+
+    #[test]
+    fn copy_drops_broker_and_own_headers() {
+        let orig = table(vec![
+            ("user", AMQPValue::LongString("u".into())),
+            (X_DEATH, AMQPValue::FieldArray(FieldArray::default())),
+            ("x-first-death-queue", AMQPValue::LongString("q".into())),
+            ("x-last-death-reason", AMQPValue::LongString("r".into())),
+            (X_DELIVERY_COUNT, AMQPValue::LongLongInt(2)),
+            (DEAD_LETTER_REASON, AMQPValue::LongString("r".into())),
+            (LAST_ERROR, AMQPValue::LongString("old".into())),
+        ]);
+        let copy = retry_copy_headers(
+            Some(&orig),
+            &RetryState {
+                attempt: 2,
+                ..Default::default()
+            },
+        );
+        let keys: Vec<&str> = copy.inner().keys().map(ShortString::as_str).collect();
+        assert_eq!(keys, vec!["user", ATTEMPT]);
+    }
+}

@@ -1,0 +1,56 @@
+//! RabbitMQ building blocks of redeliver: consumer topology, binary TTL delay levels, a
+//! confirmed publisher and the header codec.
+//!
+//! # Retries without holding messages
+//!
+//! A retried message is republished into broker-held delay queues and comes back to its queue
+//! when the delay has passed, so a worker never keeps a delayed message in memory. The delay
+//! infrastructure is the NServiceBus RabbitMQ transport's: `L` levels (default 24) with
+//! granularity `g` (default 10 ms). Level `k` is a topic exchange and a queue with TTL `2^k * g`;
+//! a delay of `n = ceil(d / g)` ticks is written in binary into the routing key
+//! (`b(L-1). ... .b0.{queue}`), and the message waits in exactly the levels of its set bits.
+//! Delays are exact per message (so jitter is real) with a fixed number of queues, and since all
+//! messages of a level share one TTL, nothing waits behind a longer delay. See [`delay`].
+//!
+//! # Dead letters through the broker
+//!
+//! Each consumer queue `Q` dead-letters into `Q.dlx` -> `Q.dlq` (see [`topology`]): a worker
+//! rejects with `requeue = false` and the broker records why in `x-death` (see [`headers`]).
+//! Quorum queues also dead-letter poison messages themselves after `x-delivery-limit`
+//! redeliveries.
+//!
+//! ```no_run
+//! # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
+//! use redeliver_amqp::lapin::{Connection, ConnectionProperties};
+//! use redeliver_amqp::{publisher::Publisher, topology::Topology};
+//! use std::time::Duration;
+//!
+//! let conn = Connection::connect("amqp://guest:guest@127.0.0.1:5672/%2f", ConnectionProperties::default()).await?;
+//! let topo = Topology::new("images");
+//! topo.declare(&conn).await?;
+//! let publisher = Publisher::new(&conn, topo.delay_config().clone()).await?;
+//! publisher
+//!     .publish_delayed(&topo.queue_name(), Duration::from_millis(1500), b"{}", Default::default())
+//!     .await?;
+//! # Ok(()) }
+//! ```
+
+#![warn(missing_docs)]
+#![cfg_attr(
+    not(test),
+    warn(clippy::unwrap_used, clippy::expect_used, clippy::panic)
+)]
+
+pub mod delay;
+pub mod headers;
+pub mod names;
+pub mod publisher;
+pub mod topology;
+
+pub use lapin;
+
+pub use delay::{DelayConfig, DelayError, DelayRoute, OverMax};
+pub use headers::{RetryState, XDeath};
+pub use names::{validate_queue_name, NameError};
+pub use publisher::{OutgoingMessage, PublishError, Publisher};
+pub use topology::{Binding, QueueType, Topology, TopologyError};

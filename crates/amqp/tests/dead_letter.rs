@@ -1,0 +1,156 @@
+//! Dead-lettering through `Q.dlx` -> `Q.dlq`, and the broker's `x-death` record of it.
+mod common;
+
+use redeliver_amqp::headers::x_death;
+use redeliver_amqp::lapin::options::{BasicAckOptions, BasicNackOptions, BasicRejectOptions};
+use redeliver_amqp::lapin::BasicProperties;
+use redeliver_amqp::{DelayConfig, Publisher, Topology};
+use std::time::Duration;
+
+fn topo(prefix: &str, queue: &str) -> Topology {
+    Topology::new(queue)
+        .prefix(prefix)
+        .delay(DelayConfig::new().prefix(prefix).levels(4))
+}
+
+async fn cleanup(conn: &redeliver_amqp::lapin::Connection, t: &Topology) {
+    t.delete(conn).await.expect("delete topology");
+    t.delay_config().delete(conn).await.expect("delete delay");
+}
+
+#[tokio::test]
+async fn reject_goes_to_dlq_with_x_death() {
+    let conn = common::connect().await;
+    let p = common::prefix();
+    let t = topo(&p, "rej");
+    common::with_cleanup(
+        async {
+            t.declare(&conn).await.unwrap();
+            let publisher = Publisher::new(&conn, t.delay_config().clone())
+                .await
+                .unwrap();
+            let q = t.queue_name();
+            publisher
+                .publish_bytes(
+                    "",
+                    &q,
+                    b"poison",
+                    BasicProperties::default().with_message_id("m-rej".into()),
+                )
+                .await
+                .unwrap();
+            let ch = conn.create_channel().await.unwrap();
+            let m = common::get(&ch, &q, Duration::from_secs(5))
+                .await
+                .expect("in Q");
+            m.reject(BasicRejectOptions { requeue: false })
+                .await
+                .unwrap();
+
+            let dead = common::get(&ch, &t.dlq_name(), Duration::from_secs(5))
+                .await
+                .expect("in Q.dlq");
+            assert_eq!(dead.data, b"poison");
+            assert_eq!(
+                dead.properties.message_id().as_ref().unwrap().as_str(),
+                "m-rej"
+            );
+            let deaths = x_death(dead.properties.headers().as_ref());
+            println!("{deaths:?}");
+            assert_eq!(deaths.len(), 1);
+            let d = &deaths[0];
+            assert_eq!(d.reason, "rejected");
+            assert_eq!(d.queue, q);
+            assert_eq!(d.count, 1);
+            assert_eq!(d.exchange, "");
+            assert_eq!(d.routing_keys, vec![q.clone()]);
+            assert!(d.time.is_some());
+            dead.ack(BasicAckOptions::default()).await.unwrap();
+        },
+        cleanup(&conn, &t),
+    )
+    .await;
+}
+
+#[tokio::test]
+async fn quorum_delivery_limit_dead_letters() {
+    let conn = common::connect().await;
+    let p = common::prefix();
+    let limit = 3;
+    let t = topo(&p, "lim").delivery_limit(Some(limit));
+    common::with_cleanup(
+        async {
+            t.declare(&conn).await.unwrap();
+            let publisher = Publisher::new(&conn, t.delay_config().clone())
+                .await
+                .unwrap();
+            let q = t.queue_name();
+            publisher
+                .publish_bytes("", &q, b"crash", BasicProperties::default())
+                .await
+                .unwrap();
+            let ch = conn.create_channel().await.unwrap();
+            let mut deliveries = 0;
+            // Each nack-with-requeue stands for a worker dying on the message.
+            while let Some(m) = common::get(&ch, &q, Duration::from_millis(1500)).await {
+                deliveries += 1;
+                assert!(deliveries <= limit + 1, "delivery limit not enforced");
+                m.nack(BasicNackOptions {
+                    requeue: true,
+                    multiple: false,
+                })
+                .await
+                .unwrap();
+            }
+            println!("delivered {deliveries} times with x-delivery-limit = {limit}");
+            assert_eq!(deliveries, limit + 1);
+            let dead = common::get(&ch, &t.dlq_name(), Duration::from_secs(5))
+                .await
+                .expect("in Q.dlq");
+            let deaths = x_death(dead.properties.headers().as_ref());
+            println!("{deaths:?}");
+            assert_eq!(deaths[0].reason, "delivery_limit");
+            assert_eq!(deaths[0].queue, q);
+            assert_eq!(dead.data, b"crash");
+            dead.ack(BasicAckOptions::default()).await.unwrap();
+        },
+        cleanup(&conn, &t),
+    )
+    .await;
+}
+
+#[tokio::test]
+async fn classic_queue_dead_letters_too() {
+    let conn = common::connect().await;
+    let p = common::prefix();
+    let t = topo(&p, "cls").classic();
+    common::with_cleanup(
+        async {
+            t.declare(&conn).await.unwrap();
+            t.declare(&conn).await.expect("idempotent");
+            let publisher = Publisher::new(&conn, t.delay_config().clone())
+                .await
+                .unwrap();
+            publisher
+                .publish_bytes("", &t.queue_name(), b"c", BasicProperties::default())
+                .await
+                .unwrap();
+            let ch = conn.create_channel().await.unwrap();
+            let m = common::get(&ch, &t.queue_name(), Duration::from_secs(5))
+                .await
+                .unwrap();
+            m.reject(BasicRejectOptions { requeue: false })
+                .await
+                .unwrap();
+            let dead = common::get(&ch, &t.dlq_name(), Duration::from_secs(5))
+                .await
+                .unwrap();
+            assert_eq!(
+                x_death(dead.properties.headers().as_ref())[0].reason,
+                "rejected"
+            );
+        },
+        cleanup(&conn, &t),
+    )
+    .await;
+}
