@@ -1,0 +1,111 @@
+//! Consumer runtime of redeliver: consume a RabbitMQ queue with bounded concurrency, retry
+//! failures with backoff and jitter through broker-held delay levels, dead-letter what cannot
+//! succeed through the broker's own DLX, reconnect on connection loss and drain on shutdown.
+//!
+//! ```no_run
+//! use std::time::Duration;
+//! use redeliver_worker::{Context, HandlerError, Json, RetryPolicy, Worker};
+//!
+//! #[derive(serde::Deserialize)]
+//! struct ImageJob { url: String }
+//!
+//! async fn fetch(_url: &str) -> anyhow::Result<Vec<u8>> { Ok(Vec::new()) }
+//!
+//! #[tokio::main]
+//! async fn main() -> Result<(), redeliver_worker::WorkerError> {
+//!     Worker::builder("amqp://guest:guest@127.0.0.1:5672/%2f")
+//!         .queue("images")
+//!         .policy(RetryPolicy::exponential(Duration::from_millis(500)).max_retries(5))
+//!         .prefetch(64)
+//!         .concurrency(16)
+//!         .handler(|job: Json<ImageJob>, ctx: Context| async move {
+//!             if job.url.is_empty() {
+//!                 return Err(HandlerError::permanent("no url"));
+//!             }
+//!             // `?` works on anyhow errors (classified by the policy's Classifier: transient
+//!             // unless registered as permanent) and on HandlerError.
+//!             fetch(&job.url).await?;
+//!             tracing::info!(url = %job.url, attempt = ctx.attempt(), "resized");
+//!             Ok(())
+//!         })
+//!         .run_until_signal()
+//!         .await
+//! }
+//! ```
+//!
+//! # What happens to one delivery
+//!
+//! 1. The body is decoded into the handler's message type ([`Json<T>`], [`Raw`], [`Text`] or
+//!    any [`FromDelivery`]). A body that does not decode is rejected at once
+//!    (`basic.reject(requeue = false)`): the broker dead-letters it to `Q.dlq`, the handler is
+//!    never called.
+//! 2. The handler runs, at most [`concurrency`](WorkerBuilder::concurrency) at a time, bounded by
+//!    the optional [per-message timeout](WorkerBuilder::handler_timeout). A panic or a timeout is
+//!    a transient error carrying the panic message.
+//! 3. `Ok` acks. An error goes through the [`RetryPolicy`]: a retry publishes a copy (body and
+//!    properties kept, `x-redeliver-*` headers updated, `x-death` dropped) through the delay
+//!    levels, waits for the broker's confirm and only then acks the original; if the copy is not
+//!    confirmed the original is requeued (`basic.nack(requeue = true)`). A permanent error, or no
+//!    retries left, or an exhausted retry budget: `basic.reject(requeue = false)`, and the broker
+//!    dead-letters it (x-death reason `rejected`). The final error is logged with the message id
+//!    (event "message dead-lettered").
+//!
+//! The worker never holds a delayed message: waiting happens in the broker's delay queues.
+//!
+//! A retry copy keeps every property of the original (`message_id`, `correlation_id`,
+//! `content_type`, `delivery_mode`, user headers...) except `expiration` (a per-message TTL would
+//! make the copy leave a delay level early) and a `user_id` other than the worker's own user
+//! (the broker refuses those). A delay above the delay infrastructure's maximum is clamped to it
+//! (logged). When a copy cannot be published the original is requeued after a 1 s pause, so a
+//! broker refusing publishes does not become a hot redelivery loop.
+//!
+//! # Connection loss
+//!
+//! The worker runs its own reconnect loop (lapin's auto-recovery stays off): on a lost
+//! connection, a closed consumer channel or a consumer cancelled by the broker, it closes the
+//! session, waits out [`reconnect_backoff`](WorkerBuilder::reconnect_backoff) (exponential
+//! 100 ms .. 30 s, full jitter), connects again, declares or verifies the topology, applies the
+//! prefetch and consumes. Handlers still running for the lost session finish, but their
+//! deliveries are never settled on the new channel (tags belong to their channel): the broker
+//! redelivers them. Readiness ([`WorkerStatus::is_ready`]) is false meanwhile.
+//!
+//! # Delivery guarantees
+//!
+//! At least once. A message is acked only after success or after its retry copy is confirmed;
+//! whatever was not settled when a channel died or the grace period ran out is redelivered by the
+//! broker (`redelivered = true`), so a handler can see a message twice: use
+//! [`Context::message_id`] for idempotency. Settlements that did not reach the broker are counted
+//! in [`metrics_names::SETTLE_FAILURES`].
+//!
+//! # Observability
+//!
+//! A `delivery` tracing span per message (queue, message_id, attempt, outcome, duration_ms); an
+//! event per retry ("retry scheduled": attempt, delay_ms, error) and per dead-letter ("message
+//! dead-lettered": reason, error). Metrics go through the [`metrics`] facade (names in
+//! [`metrics_names`]); readiness through [`WorkerStatus`].
+
+#![warn(missing_docs)]
+
+pub mod config;
+mod handler;
+pub mod health;
+pub mod metrics_names;
+mod outcome;
+mod session;
+pub mod status;
+mod worker;
+
+pub use config::{Config, ConfigError, LogFormat};
+pub use handler::{BoxError, Context, DecodeError, FromDelivery, Handler, Json, Raw, Text};
+pub use health::{Health, HealthError, HealthServer};
+pub use status::{WorkerState, WorkerStatus};
+pub use worker::{
+    run_all, run_all_until_signal, Worker, WorkerBuilder, WorkerError, DEFAULT_CONCURRENCY,
+    DEFAULT_SHUTDOWN_GRACE,
+};
+
+pub use redeliver_amqp::delay::DelayConfig;
+pub use redeliver_amqp::lapin;
+pub use redeliver_amqp::topology::{QueueType, Topology};
+pub use redeliver_core::{Backoff, Classifier, ErrorKind, HandlerError, Jitter, RetryPolicy};
+pub use tokio_util::sync::CancellationToken;

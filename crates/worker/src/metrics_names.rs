@@ -1,0 +1,62 @@
+//! Names of the metrics the worker emits through the [`metrics`] crate facade.
+//!
+//! The worker never installs a recorder: without one every macro call is a no-op, so embedding the
+//! worker costs nothing until the service installs an exporter (for instance
+//! `metrics-exporter-prometheus`). Names and label keys live here, as constants, so an exporter,
+//! a dashboard or a test can refer to them without copying strings.
+//!
+//! | name | kind | labels |
+//! |---|---|---|
+//! | [`MESSAGES_RECEIVED`] | counter | `queue` |
+//! | [`MESSAGES_SUCCEEDED`] | counter | `queue` |
+//! | [`MESSAGES_RETRIED`] | counter | `queue`, `attempt` |
+//! | [`MESSAGES_DEAD_LETTERED`] | counter | `queue`, `reason` |
+//! | [`SETTLE_FAILURES`] | counter | `queue` |
+//! | [`HANDLER_DURATION`] | histogram (seconds) | `queue` |
+//! | [`IN_FLIGHT`] | gauge | `queue` |
+//! | [`CONNECTION_STATE`] | gauge (see [`WorkerState::gauge_value`](crate::WorkerState::gauge_value)) | `queue` |
+//! | [`RECONNECTS`] | counter | `queue` |
+//! | [`DELAY_UNROUTABLE_MESSAGES`] | gauge | `queue` |
+
+/// Deliveries taken from the queue (every delivery counts, redeliveries too).
+pub const MESSAGES_RECEIVED: &str = "redeliver_messages_received_total";
+/// Deliveries whose handler returned `Ok` and whose ack the broker accepted.
+pub const MESSAGES_SUCCEEDED: &str = "redeliver_messages_succeeded_total";
+/// Retry copies published (and confirmed) into the delay levels; label `attempt` is the
+/// `x-redeliver-attempt` value written on the copy (1 on the first retry).
+pub const MESSAGES_RETRIED: &str = "redeliver_messages_retried_total";
+/// Deliveries rejected without requeue so that the broker dead-letters them; label `reason` is one
+/// of [`REASON_PERMANENT`], [`REASON_RETRIES_EXHAUSTED`], [`REASON_BUDGET_EXHAUSTED`],
+/// [`REASON_UNDECODABLE`].
+pub const MESSAGES_DEAD_LETTERED: &str = "redeliver_messages_dead_lettered_total";
+/// Acks, nacks or rejects that did not reach the broker (the delivery's channel died first). The
+/// broker redelivers those messages, so this counts future duplicates.
+pub const SETTLE_FAILURES: &str = "redeliver_settle_failures_total";
+/// Wall time of one handler call, in seconds (decode excluded).
+pub const HANDLER_DURATION: &str = "redeliver_handler_duration_seconds";
+/// Handlers running right now.
+pub const IN_FLIGHT: &str = "redeliver_in_flight";
+/// Connection state of the worker: 0 disconnected, 1 connecting, 2 consuming, 3 draining.
+pub const CONNECTION_STATE: &str = "redeliver_connection_state";
+/// Connections lost and re-established (counted when a lost session is given up).
+pub const RECONNECTS: &str = "redeliver_reconnects_total";
+/// Messages parked in the delay infrastructure's unroutable queue (their destination queue did not
+/// exist when their delay expired). Polled by the worker every 30 s; shared by every consumer of
+/// the vhost, so each worker reports the same value.
+pub const DELAY_UNROUTABLE_MESSAGES: &str = "redeliver_delay_unroutable_messages";
+
+/// Label key: the full queue name (prefix included).
+pub const LABEL_QUEUE: &str = "queue";
+/// Label key: the attempt number written on a retry copy.
+pub const LABEL_ATTEMPT: &str = "attempt";
+/// Label key: why a message was dead-lettered.
+pub const LABEL_REASON: &str = "reason";
+
+/// Dead-letter reason: the handler said the error is permanent.
+pub const REASON_PERMANENT: &str = "permanent";
+/// Dead-letter reason: `max_retries` reached.
+pub const REASON_RETRIES_EXHAUSTED: &str = "retries_exhausted";
+/// Dead-letter reason: the retry budget refused another retry.
+pub const REASON_BUDGET_EXHAUSTED: &str = "budget_exhausted";
+/// Dead-letter reason: the body could not be decoded (poison pill, never retried).
+pub const REASON_UNDECODABLE: &str = "undecodable";

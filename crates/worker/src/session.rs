@@ -1,0 +1,566 @@
+//! One connection's life: connect, topology, consume, settle each delivery, drain or give up.
+
+use std::panic::AssertUnwindSafe;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use futures::{FutureExt, StreamExt};
+use lapin::message::Delivery;
+use lapin::options::{
+    BasicAckOptions, BasicCancelOptions, BasicConsumeOptions, BasicNackOptions, BasicQosOptions,
+    BasicRejectOptions, QueueDeclareOptions,
+};
+use lapin::types::FieldTable;
+use lapin::{Channel, Connection, ConnectionProperties, Consumer, Event};
+use redeliver_amqp::delay::DelayConfig;
+use redeliver_amqp::headers::{self, RetryState};
+use redeliver_amqp::publisher::{PublishError, Publisher};
+use tokio::sync::{Mutex, OwnedSemaphorePermit};
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, error, info, info_span, warn, Instrument, Span};
+
+use crate::handler::{Context, HandlerFuture};
+use crate::metrics_names as m;
+use crate::outcome::{self, HandlerOutcome, Plan};
+use crate::worker::{Shared, WorkerError};
+
+/// Bound on each broker call made while shutting down, so a dead broker cannot stall the exit.
+const CLOSE_TIMEOUT: Duration = Duration::from_secs(5);
+/// Pause before requeueing a message whose retry copy could not be published: without it a
+/// broker that refuses publishes (delay infrastructure missing, resource alarm) turns into a hot
+/// redelivery loop. Holding the permit meanwhile is the intended back-pressure.
+const REQUEUE_PAUSE: Duration = Duration::from_secs(1);
+/// How often the unroutable-parking queue of the delay infrastructure is measured.
+const UNROUTABLE_POLL: Duration = Duration::from_secs(30);
+
+/// Why [`Session::consume`] returned.
+pub(crate) enum SessionEnd {
+    /// The worker's token was cancelled: drain this session.
+    Shutdown(Box<Session>),
+    /// The connection or the consumer channel died (the session is already torn down).
+    Lost(String),
+}
+
+/// What delivery tasks need from their session. Delivery tags belong to the channel they came
+/// on, and each task only ever settles through its own delivery's acker, so a delivery of a
+/// dead channel can never be acked on a newer one.
+pub(crate) struct SessionShared {
+    connection: Arc<Connection>,
+    delay: DelayConfig,
+    publisher: Mutex<Publisher>,
+    username: String,
+}
+
+impl SessionShared {
+    /// The confirm-mode publisher, reopened if its channel was closed (a soft error closes a
+    /// channel and lapin does not reopen it) while the connection is still up.
+    async fn publisher(&self) -> Result<Publisher, PublishError> {
+        let mut current = self.publisher.lock().await;
+        if current.channel().status().connected() {
+            return Ok(current.clone());
+        }
+        let fresh = Publisher::new(&self.connection, self.delay.clone()).await?;
+        debug!("reopened the publisher channel");
+        *current = fresh.clone();
+        Ok(fresh)
+    }
+}
+
+/// A connected, consuming session.
+pub(crate) struct Session {
+    shared: Arc<SessionShared>,
+    channel: Channel,
+    consumer: Consumer,
+    events: futures::stream::BoxStream<'static, Event>,
+    unroutable_poll: tokio::task::JoinHandle<()>,
+}
+
+impl Session {
+    /// Connects, declares or verifies the topology, opens the publisher and the consumer
+    /// channel with its prefetch, and starts consuming.
+    pub(crate) async fn open(worker: &Arc<Shared>) -> Result<Session, WorkerError> {
+        let config = &worker.config;
+        let props = ConnectionProperties::default()
+            .with_connection_name(config.connection_name.clone().into());
+        // Lapin's own recovery stays off (DESIGN: it does not recover reliably); this loop owns
+        // reconnection.
+        let connection = Arc::new(Connection::connect(&config.url, props).await?);
+        match Self::setup(worker, &connection).await {
+            Ok(session) => Ok(session),
+            Err(e) => {
+                close_connection(&connection, "setup failed").await;
+                Err(e)
+            }
+        }
+    }
+
+    async fn setup(
+        worker: &Arc<Shared>,
+        connection: &Arc<Connection>,
+    ) -> Result<Session, WorkerError> {
+        let config = &worker.config;
+        if config.verify_only {
+            config.topology.verify(connection).await?;
+        } else {
+            config.topology.declare(connection).await?;
+        }
+        let delay = config.topology.delay_config().clone();
+        let publisher = Publisher::new(connection, delay.clone()).await?;
+        let channel = connection.create_channel().await?;
+        // Per consumer, not global: global QoS is deprecated and refused from RabbitMQ 4.3. It is
+        // applied on every channel we open, since nothing replays it for us.
+        channel
+            .basic_qos(config.prefetch, BasicQosOptions { global: false })
+            .await?;
+        let events = connection.events_listener().boxed();
+        let consumer = channel
+            .basic_consume(
+                config.queue.as_str().into(),
+                "".into(),
+                BasicConsumeOptions::default(),
+                FieldTable::default(),
+            )
+            .await?;
+        let username = connection.status().username();
+        let unroutable_poll = tokio::spawn(poll_unroutable(
+            Arc::clone(connection),
+            delay.unroutable_name(),
+        ));
+        Ok(Session {
+            shared: Arc::new(SessionShared {
+                connection: Arc::clone(connection),
+                delay,
+                publisher: Mutex::new(publisher),
+                username,
+            }),
+            channel,
+            consumer,
+            events,
+            unroutable_poll,
+        })
+    }
+
+    /// Takes deliveries while a concurrency permit is free and hands each to its own task, so a
+    /// slow handler never delays another's ack. Returns on shutdown or when the session dies.
+    pub(crate) async fn consume(
+        mut self,
+        worker: &Arc<Shared>,
+        token: &CancellationToken,
+    ) -> SessionEnd {
+        let reason = loop {
+            let permit = tokio::select! {
+                biased;
+                _ = token.cancelled() => return SessionEnd::Shutdown(Box::new(self)),
+                p = Arc::clone(&worker.semaphore).acquire_owned() => match p {
+                    Ok(p) => p,
+                    // The semaphore is never closed; treat it as a shutdown rather than panic.
+                    Err(_) => return SessionEnd::Shutdown(Box::new(self)),
+                },
+            };
+            tokio::select! {
+                biased;
+                _ = token.cancelled() => return SessionEnd::Shutdown(Box::new(self)),
+                ev = self.events.next() => match ev {
+                    Some(Event::Error(e)) => break format!("connection error: {e}"),
+                    Some(other) => {
+                        debug!(event = ?other, "connection event");
+                        continue;
+                    }
+                    None => break "connection event stream ended".to_owned(),
+                },
+                item = self.consumer.next() => match item {
+                    Some(Ok(delivery)) => self.spawn_delivery(worker, delivery, permit),
+                    Some(Err(e)) => break format!("consumer error: {e}"),
+                    None => break if self.shared.connection.status().connected() {
+                        "consumer cancelled by the broker (queue deleted?) or channel closed".to_owned()
+                    } else {
+                        "connection closed".to_owned()
+                    },
+                },
+            }
+        };
+        self.teardown().await;
+        SessionEnd::Lost(reason)
+    }
+
+    fn spawn_delivery(
+        &self,
+        worker: &Arc<Shared>,
+        delivery: Delivery,
+        permit: OwnedSemaphorePermit,
+    ) {
+        let task = DeliveryTask {
+            worker: Arc::clone(worker),
+            session: Arc::clone(&self.shared),
+            delivery,
+            _permit: permit,
+        };
+        worker.tracker.spawn(task.run());
+    }
+
+    /// Closes a lost session. Its in-flight handlers keep running (their permits still count),
+    /// but their settlements fail and are counted: the broker redelivers those messages.
+    async fn teardown(self) {
+        self.unroutable_poll.abort();
+        close_connection(&self.shared.connection, "connection lost, reconnecting").await;
+    }
+
+    /// Graceful stop: cancel the consumer so the broker sends nothing more, let in-flight
+    /// handlers finish within the grace period and settle, then close channel and connection.
+    /// Deliveries prefetched but never started are not touched: closing the channel returns them
+    /// to the queue.
+    pub(crate) async fn drain(self, worker: &Arc<Shared>) {
+        let queue = &worker.config.queue;
+        info!(queue = %queue, "draining: cancelling the consumer");
+        match tokio::time::timeout(
+            CLOSE_TIMEOUT,
+            self.channel
+                .basic_cancel(self.consumer.tag(), BasicCancelOptions::default()),
+        )
+        .await
+        {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => warn!(queue = %queue, error = %e, "basic.cancel failed"),
+            Err(_) => warn!(queue = %queue, "basic.cancel timed out"),
+        }
+        drop(self.consumer);
+        worker.drain_tasks().await;
+        self.unroutable_poll.abort();
+        if self.channel.status().connected() {
+            if let Ok(Err(e)) = tokio::time::timeout(
+                CLOSE_TIMEOUT,
+                self.channel.close(200, "worker stopped".into()),
+            )
+            .await
+            {
+                debug!(error = %e, "closing the consumer channel");
+            }
+        }
+        close_connection(&self.shared.connection, "worker stopped").await;
+    }
+}
+
+async fn close_connection(connection: &Connection, why: &str) {
+    if !connection.status().connected() {
+        return;
+    }
+    match tokio::time::timeout(CLOSE_TIMEOUT, connection.close(200, why.into())).await {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => debug!(error = %e, "closing the connection"),
+        Err(_) => debug!("closing the connection timed out"),
+    }
+}
+
+/// Measures the delay infrastructure's unroutable-parking queue (passive declare on a throwaway
+/// channel: a 404 would close the channel it ran on).
+async fn poll_unroutable(connection: Arc<Connection>, name: String) {
+    let mut tick = tokio::time::interval(UNROUTABLE_POLL);
+    loop {
+        tick.tick().await;
+        let Ok(channel) = connection.create_channel().await else {
+            return;
+        };
+        let declared = channel
+            .queue_declare(
+                name.as_str().into(),
+                QueueDeclareOptions {
+                    passive: true,
+                    ..QueueDeclareOptions::default()
+                },
+                FieldTable::default(),
+            )
+            .await;
+        match declared {
+            Ok(q) => {
+                metrics::gauge!(m::DELAY_UNROUTABLE_MESSAGES).set(f64::from(q.message_count()));
+                if q.message_count() > 0 {
+                    warn!(queue = %name, messages = q.message_count(), "messages parked in the delay infrastructure's unroutable queue");
+                }
+            }
+            Err(e) => debug!(queue = %name, error = %e, "cannot measure the unroutable queue"),
+        }
+        if channel.status().connected() {
+            let _ = channel.close(200, "done".into()).await;
+        }
+    }
+}
+
+/// Keeps the in-flight gauge right on every exit path, panics included.
+struct InFlight {
+    queue: String,
+}
+
+impl InFlight {
+    fn enter(queue: &str) -> Self {
+        metrics::gauge!(m::IN_FLIGHT, m::LABEL_QUEUE => queue.to_owned()).increment(1.0);
+        Self {
+            queue: queue.to_owned(),
+        }
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        metrics::gauge!(m::IN_FLIGHT, m::LABEL_QUEUE => self.queue.clone()).decrement(1.0);
+    }
+}
+
+struct DeliveryTask {
+    worker: Arc<Shared>,
+    session: Arc<SessionShared>,
+    delivery: Delivery,
+    _permit: OwnedSemaphorePermit,
+}
+
+impl DeliveryTask {
+    async fn run(self) {
+        let state = RetryState::read(self.delivery.properties.headers().as_ref());
+        let message_id = self
+            .delivery
+            .properties
+            .message_id()
+            .as_ref()
+            .map(|s| s.to_string())
+            .unwrap_or_default();
+        let span = info_span!(
+            "delivery",
+            queue = %self.worker.config.queue,
+            message_id = %message_id,
+            attempt = state.attempt,
+            redelivered = self.delivery.redelivered,
+            delivery_tag = self.delivery.delivery_tag,
+            outcome = tracing::field::Empty,
+            duration_ms = tracing::field::Empty,
+        );
+        self.process(state, message_id).instrument(span).await;
+    }
+
+    async fn process(self, state: RetryState, message_id: String) {
+        let queue = self.worker.config.queue.clone();
+        let _in_flight = InFlight::enter(&queue);
+        let started = Instant::now();
+        metrics::counter!(m::MESSAGES_RECEIVED, m::LABEL_QUEUE => queue.clone()).increment(1);
+        if state.attempt == 0 {
+            // Fresh message: a deposit in the retry budget (retries withdraw).
+            self.worker.config.policy.record_attempt();
+        }
+        let ctx = Context::new(
+            queue.clone(),
+            &self.delivery,
+            state.clone(),
+            self.worker.draining.clone(),
+        );
+        // A user decoder may panic too; the task must survive to settle the delivery.
+        let prepared = std::panic::catch_unwind(AssertUnwindSafe(|| {
+            self.worker.config.handler.prepare(&self.delivery, ctx)
+        }));
+        let plan = match prepared {
+            Ok(Err(decode)) => Some(outcome::plan_undecodable(&decode)),
+            Ok(Ok(fut)) => {
+                let handler_started = Instant::now();
+                let result = self.call(fut).await;
+                metrics::histogram!(m::HANDLER_DURATION, m::LABEL_QUEUE => queue.clone())
+                    .record(handler_started.elapsed().as_secs_f64());
+                self.plan(result, &state)
+            }
+            Err(panic) => self.plan(
+                HandlerOutcome::Panicked(outcome::panic_message(&*panic)),
+                &state,
+            ),
+        };
+        let label = match plan {
+            Some(plan) => self.settle(plan, &state, &message_id).await,
+            None => "abandoned",
+        };
+        let span = Span::current();
+        span.record("outcome", label);
+        span.record("duration_ms", started.elapsed().as_millis() as u64);
+        debug!(
+            outcome = label,
+            duration_ms = started.elapsed().as_millis() as u64,
+            "delivery done"
+        );
+    }
+
+    fn plan(&self, result: HandlerOutcome, state: &RetryState) -> Option<Plan> {
+        match result.into_error() {
+            Err(()) => None,
+            Ok(None) => Some(Plan::Ack),
+            Ok(Some(e)) => Some(outcome::plan_failure(&self.worker.config.policy, state, &e)),
+        }
+    }
+
+    /// Runs the handler future with panic catching, the optional timeout, and the hard stop.
+    async fn call(&self, fut: HandlerFuture) -> HandlerOutcome {
+        let timeout = self.worker.config.handler_timeout;
+        let guarded = async move {
+            let caught = AssertUnwindSafe(fut).catch_unwind();
+            let caught = match timeout {
+                Some(d) => match tokio::time::timeout(d, caught).await {
+                    Ok(r) => r,
+                    Err(_) => return HandlerOutcome::TimedOut(d),
+                },
+                None => caught.await,
+            };
+            match caught {
+                Ok(r) => HandlerOutcome::Completed(r),
+                Err(panic) => HandlerOutcome::Panicked(outcome::panic_message(&*panic)),
+            }
+        };
+        tokio::select! {
+            biased;
+            r = guarded => r,
+            _ = self.worker.hard_stop.cancelled() => HandlerOutcome::Abandoned,
+        }
+    }
+
+    /// Carries out the plan; returns the outcome label for the span.
+    async fn settle(&self, plan: Plan, state: &RetryState, message_id: &str) -> &'static str {
+        let queue = &self.worker.config.queue;
+        let acker = &self.delivery.acker;
+        match plan {
+            Plan::Ack => match acker.ack(BasicAckOptions::default()).await {
+                Ok(true) => {
+                    metrics::counter!(m::MESSAGES_SUCCEEDED, m::LABEL_QUEUE => queue.clone())
+                        .increment(1);
+                    "acked"
+                }
+                other => self.settle_failed("ack", other),
+            },
+            Plan::Retry {
+                delay,
+                attempt,
+                error,
+            } => self.retry(delay, attempt, &error, state, message_id).await,
+            Plan::DeadLetter { reason, error } => {
+                match acker.reject(BasicRejectOptions { requeue: false }).await {
+                    Ok(true) => {
+                        metrics::counter!(m::MESSAGES_DEAD_LETTERED, m::LABEL_QUEUE => queue.clone(), m::LABEL_REASON => reason)
+                            .increment(1);
+                        // The broker moves the original to the DLQ unchanged; this event is where
+                        // the final error lives, so it carries the message id itself.
+                        warn!(
+                            message_id = %message_id,
+                            attempt = state.attempt,
+                            reason,
+                            error = %error,
+                            dlq = %self.worker.config.topology.dlq_name(),
+                            "message dead-lettered"
+                        );
+                        "dead_lettered"
+                    }
+                    other => self.settle_failed("reject", other),
+                }
+            }
+        }
+    }
+
+    async fn retry(
+        &self,
+        delay: Duration,
+        attempt: u32,
+        error: &str,
+        state: &RetryState,
+        message_id: &str,
+    ) -> &'static str {
+        let queue = &self.worker.config.queue;
+        let acker = &self.delivery.acker;
+        if !acker.usable() {
+            // The channel died under us: the broker will redeliver the original, so publishing a
+            // copy now would only create a duplicate.
+            return self.settle_failed("retry", Ok(false));
+        }
+        let max = self.session.delay.max_delay();
+        let delay = if delay > max {
+            warn!(requested = ?delay, max = ?max, "retry delay above the delay infrastructure's maximum; using the maximum");
+            max
+        } else {
+            delay
+        };
+        let copy_state = outcome::next_retry_state(
+            state,
+            attempt,
+            delay,
+            error,
+            self.delivery.exchange.as_str(),
+            self.delivery.routing_key.as_str(),
+        );
+        let copy_headers =
+            headers::retry_copy_headers(self.delivery.properties.headers().as_ref(), &copy_state);
+        let props = outcome::retry_copy_properties(
+            &self.delivery.properties,
+            copy_headers,
+            &self.session.username,
+        );
+        let published = match self.session.publisher().await {
+            Ok(p) => {
+                p.publish_delayed(queue, delay, &self.delivery.data, props)
+                    .await
+            }
+            Err(e) => Err(e),
+        };
+        match published {
+            Ok(()) => {
+                metrics::counter!(m::MESSAGES_RETRIED, m::LABEL_QUEUE => queue.clone(), m::LABEL_ATTEMPT => attempt.to_string())
+                    .increment(1);
+                info!(
+                    message_id = %message_id,
+                    attempt,
+                    delay_ms = delay.as_millis() as u64,
+                    error = %error,
+                    "retry scheduled"
+                );
+                // Only now, with the copy confirmed by the broker, may the original go.
+                match acker.ack(BasicAckOptions::default()).await {
+                    Ok(true) => "retried",
+                    other => {
+                        warn!(message_id = %message_id, "retry copy published but the original could not be acked: it will be delivered twice");
+                        self.settle_failed("ack after retry", other)
+                    }
+                }
+            }
+            Err(e) => {
+                error!(
+                    message_id = %message_id,
+                    attempt,
+                    error = %e,
+                    handler_error = %error,
+                    "retry copy not confirmed by the broker; requeueing the original"
+                );
+                if !acker.usable() {
+                    // Lost with the connection: nothing to requeue, the broker redelivers it.
+                    return self.settle_failed("nack", Ok(false));
+                }
+                tokio::select! {
+                    _ = tokio::time::sleep(REQUEUE_PAUSE) => {}
+                    _ = self.worker.hard_stop.cancelled() => {}
+                }
+                match acker
+                    .nack(BasicNackOptions {
+                        requeue: true,
+                        multiple: false,
+                    })
+                    .await
+                {
+                    Ok(true) => "requeued",
+                    other => self.settle_failed("nack", other),
+                }
+            }
+        }
+    }
+
+    /// An ack/nack/reject that did not reach the broker: never a success. The message will be
+    /// redelivered (`redelivered = true`), so this counts a future duplicate.
+    fn settle_failed(&self, op: &str, result: Result<bool, lapin::Error>) -> &'static str {
+        let queue = &self.worker.config.queue;
+        metrics::counter!(m::SETTLE_FAILURES, m::LABEL_QUEUE => queue.clone()).increment(1);
+        match result {
+            Ok(_) => warn!(
+                op,
+                "settle failed: the delivery's channel is closed; the broker will redeliver it"
+            ),
+            Err(e) => warn!(op, error = %e, "settle failed; the broker will redeliver it"),
+        }
+        "settle_failed"
+    }
+}

@@ -1,0 +1,178 @@
+//! Readiness of a worker, observable from outside its task (health endpoints, tests).
+
+use std::fmt;
+use std::sync::{Arc, OnceLock};
+use std::time::Duration;
+
+use tokio::sync::watch;
+
+use crate::metrics_names;
+
+/// Lifecycle state of one [`Worker`](crate::Worker).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum WorkerState {
+    /// Built, `run` not called yet.
+    Starting,
+    /// First connection attempt (connect, declare or verify topology, consume).
+    Connecting,
+    /// Connected and consuming: the only ready state.
+    Consuming,
+    /// The connection or channel was lost; the worker is waiting out its backoff or reconnecting.
+    Reconnecting,
+    /// Shutdown requested: the consumer is cancelled, in-flight handlers are finishing.
+    Draining,
+    /// `run` returned.
+    Stopped,
+}
+
+impl WorkerState {
+    /// Value of the [`CONNECTION_STATE`](metrics_names::CONNECTION_STATE) gauge:
+    /// 0 disconnected (starting, stopped), 1 connecting (or reconnecting), 2 consuming, 3 draining.
+    pub fn gauge_value(self) -> f64 {
+        match self {
+            WorkerState::Starting | WorkerState::Stopped => 0.0,
+            WorkerState::Connecting | WorkerState::Reconnecting => 1.0,
+            WorkerState::Consuming => 2.0,
+            WorkerState::Draining => 3.0,
+        }
+    }
+
+    /// Lower-case name, for logs and health responses.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            WorkerState::Starting => "starting",
+            WorkerState::Connecting => "connecting",
+            WorkerState::Consuming => "consuming",
+            WorkerState::Reconnecting => "reconnecting",
+            WorkerState::Draining => "draining",
+            WorkerState::Stopped => "stopped",
+        }
+    }
+}
+
+impl fmt::Display for WorkerState {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// Cloneable, read-only view of a worker's [`WorkerState`], for readiness probes.
+///
+/// Get one from [`WorkerBuilder::status_handle`](crate::WorkerBuilder::status_handle) (before the
+/// worker runs) or [`Worker::status_handle`](crate::Worker::status_handle).
+///
+/// ```no_run
+/// # async fn demo() -> Result<(), redeliver_worker::WorkerError> {
+/// use redeliver_worker::{Context, HandlerError, Raw, Worker};
+/// let builder = Worker::builder("amqp://127.0.0.1:5672/%2f")
+///     .queue("images")
+///     .handler(|_msg: Raw, _ctx: Context| async move { Ok::<(), HandlerError>(()) });
+/// let status = builder.status_handle();
+/// tokio::spawn(async move {
+///     // e.g. answer /readyz with 200 only while this is true
+///     let _ready = status.is_ready();
+/// });
+/// builder.run_until_signal().await
+/// # }
+/// ```
+#[derive(Clone, Debug)]
+pub struct WorkerStatus {
+    rx: watch::Receiver<WorkerState>,
+    queue: Arc<OnceLock<String>>,
+}
+
+impl WorkerStatus {
+    /// The state right now.
+    pub fn state(&self) -> WorkerState {
+        *self.rx.borrow()
+    }
+
+    /// True only while the worker is connected and consuming (not while connecting, reconnecting
+    /// or draining): what a Kubernetes readiness probe should report.
+    pub fn is_ready(&self) -> bool {
+        self.state() == WorkerState::Consuming
+    }
+
+    /// Full name of the queue this worker consumes (prefix included), for labelling; `None` until
+    /// the worker is built (the builder may still change the queue).
+    pub fn queue(&self) -> Option<&str> {
+        self.queue.get().map(String::as_str)
+    }
+
+    /// Waits until the state satisfies `pred` (checked on the current value first). Returns the
+    /// matching state, or `None` if the worker was dropped before reaching it.
+    pub async fn wait_for(
+        &mut self,
+        pred: impl FnMut(&WorkerState) -> bool,
+    ) -> Option<WorkerState> {
+        self.rx.wait_for(pred).await.ok().map(|s| *s)
+    }
+
+    /// Like [`wait_for`](Self::wait_for) with a time limit; `None` on timeout or drop.
+    pub async fn wait_for_timeout(
+        &mut self,
+        timeout: Duration,
+        pred: impl FnMut(&WorkerState) -> bool,
+    ) -> Option<WorkerState> {
+        tokio::time::timeout(timeout, self.wait_for(pred))
+            .await
+            .ok()
+            .flatten()
+    }
+
+    /// Waits for the next change of state and returns it (`None` once the worker is dropped).
+    pub async fn changed(&mut self) -> Option<WorkerState> {
+        self.rx.changed().await.ok()?;
+        Some(*self.rx.borrow_and_update())
+    }
+}
+
+/// Write side, owned by the worker. Also keeps the connection-state gauge in step.
+#[derive(Debug)]
+pub(crate) struct StatusSender {
+    tx: watch::Sender<WorkerState>,
+    queue: Arc<OnceLock<String>>,
+}
+
+impl StatusSender {
+    pub(crate) fn new() -> Self {
+        let (tx, _rx) = watch::channel(WorkerState::Starting);
+        Self {
+            tx,
+            queue: Arc::new(OnceLock::new()),
+        }
+    }
+
+    /// Fixes the queue name once the worker is built; later calls are ignored (a built worker
+    /// never changes queue).
+    pub(crate) fn set_queue(&self, queue: String) {
+        let _ = self.queue.set(queue);
+    }
+
+    fn queue_label(&self) -> String {
+        self.queue.get().cloned().unwrap_or_default()
+    }
+
+    pub(crate) fn handle(&self) -> WorkerStatus {
+        WorkerStatus {
+            rx: self.tx.subscribe(),
+            queue: self.queue.clone(),
+        }
+    }
+
+    pub(crate) fn set(&self, state: WorkerState) {
+        // send_if_modified, not send: send fails when no receiver exists (nobody may be
+        // watching), and watchers should wake only on a real change.
+        let mut previous = state;
+        self.tx.send_if_modified(|current| {
+            previous = *current;
+            *current = state;
+            previous != state
+        });
+        if previous != state {
+            tracing::debug!(queue = %self.queue_label(), from = %previous, to = %state, "worker state");
+        }
+        metrics::gauge!(metrics_names::CONNECTION_STATE, metrics_names::LABEL_QUEUE => self.queue_label())
+            .set(state.gauge_value());
+    }
+}

@@ -1,0 +1,491 @@
+//! Shutdown, connection loss, verify-only mode, several queues in one process.
+
+mod common;
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use common::*;
+use redeliver_worker::{
+    run_all, CancellationToken, Context, HandlerError, Jitter, Json, QueueType, Raw, RetryPolicy,
+    Worker, WorkerError, WorkerState,
+};
+
+#[derive(serde::Deserialize)]
+struct Job {
+    id: u32,
+}
+
+/// Stop requested while handlers run: they finish and are acked, nothing else is started, the
+/// messages not processed are back in Q, and `run` returns Ok.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_mid_batch_finishes_in_flight_and_keeps_the_rest() {
+    init_tracing();
+    const N: usize = 40;
+    let names = Names::new("stop");
+    let conn = connect().await;
+    let topo = names.topology("q", QueueType::Quorum, names.delay(6, QueueType::Classic));
+    let queue = topo.queue_name();
+    let started = Arc::new(AtomicUsize::new(0));
+    let finished = Arc::new(AtomicUsize::new(0));
+    let saw_shutdown = Arc::new(AtomicUsize::new(0));
+    let (s, f, sd) = (started.clone(), finished.clone(), saw_shutdown.clone());
+    let token = CancellationToken::new();
+    let builder = Worker::builder(amqp_url())
+        .topology(topo.clone())
+        .prefetch(8)
+        .concurrency(4)
+        .shutdown_grace(Duration::from_secs(10))
+        .handler(move |_m: Raw, ctx: Context| {
+            let (s, f, sd) = (s.clone(), f.clone(), sd.clone());
+            async move {
+                s.fetch_add(1, Ordering::SeqCst);
+                tokio::time::sleep(Duration::from_millis(600)).await;
+                if ctx.is_shutting_down() {
+                    sd.fetch_add(1, Ordering::SeqCst);
+                }
+                f.fetch_add(1, Ordering::SeqCst);
+                Ok::<(), HandlerError>(())
+            }
+        });
+    let mut status = builder.status_handle();
+    let run = tokio::spawn(builder.run(token.clone()));
+    status
+        .wait_for_timeout(Duration::from_secs(30), |s| *s == WorkerState::Consuming)
+        .await
+        .expect("consuming");
+    let messages = (0..N)
+        .map(|i| (b"{}".to_vec(), props(&format!("s-{i}"))))
+        .collect();
+    publish_all(&conn, &queue, messages).await;
+    assert!(
+        eventually(Duration::from_secs(5), || started.load(Ordering::SeqCst)
+            >= 4)
+        .await
+    );
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let before_stop = started.load(Ordering::SeqCst);
+    let stop_at = Instant::now();
+    token.cancel();
+    let mut s2 = status.clone();
+    assert!(s2
+        .wait_for_timeout(Duration::from_secs(2), |s| *s == WorkerState::Draining
+            || *s == WorkerState::Stopped)
+        .await
+        .is_some());
+    let result = run.await.unwrap();
+    let took = stop_at.elapsed();
+    assert!(result.is_ok(), "clean stop returns Ok: {result:?}");
+    let started = started.load(Ordering::SeqCst);
+    let finished = finished.load(Ordering::SeqCst);
+    assert_eq!(started, before_stop, "nothing new started after the stop");
+    assert_eq!(finished, started, "every in-flight handler finished");
+    assert!(
+        saw_shutdown.load(Ordering::SeqCst) >= 1,
+        "handlers could see the shutdown"
+    );
+    assert!(took < Duration::from_secs(5), "stop took {took:?}");
+    assert_eq!(
+        ready_count(&conn, &queue).await as usize,
+        N - finished,
+        "the messages not processed are back in the queue"
+    );
+    assert_eq!(ready_count(&conn, &topo.dlq_name()).await, 0);
+}
+
+/// A handler longer than the grace period is dropped unsettled: its message returns to the
+/// queue, and `run` still returns Ok soon after the grace period.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn grace_period_over_returns_messages_to_the_queue() {
+    init_tracing();
+    let names = Names::new("grace");
+    let conn = connect().await;
+    let topo = names.topology("q", QueueType::Classic, names.delay(6, QueueType::Classic));
+    let queue = topo.queue_name();
+    let started = Arc::new(AtomicUsize::new(0));
+    let s = started.clone();
+    let token = CancellationToken::new();
+    let builder = Worker::builder(amqp_url())
+        .topology(topo.clone())
+        .concurrency(2)
+        .shutdown_grace(Duration::from_millis(300))
+        .handler(move |_m: Raw, _ctx: Context| {
+            let s = s.clone();
+            async move {
+                s.fetch_add(1, Ordering::SeqCst);
+                tokio::time::sleep(Duration::from_secs(30)).await;
+                Ok::<(), HandlerError>(())
+            }
+        });
+    let mut status = builder.status_handle();
+    let run = tokio::spawn(builder.run(token.clone()));
+    status
+        .wait_for_timeout(Duration::from_secs(20), |s| *s == WorkerState::Consuming)
+        .await
+        .expect("consuming");
+    let messages = (0..5)
+        .map(|i| (b"x".to_vec(), props(&format!("g-{i}"))))
+        .collect();
+    publish_all(&conn, &queue, messages).await;
+    assert!(
+        eventually(Duration::from_secs(5), || started.load(Ordering::SeqCst)
+            == 2)
+        .await
+    );
+    let t = Instant::now();
+    token.cancel();
+    run.await.unwrap().unwrap();
+    assert!(
+        t.elapsed() < Duration::from_secs(3),
+        "stop took {:?}",
+        t.elapsed()
+    );
+    assert_eq!(
+        ready_count(&conn, &queue).await,
+        5,
+        "all five back in the queue"
+    );
+}
+
+/// The broker force-closes the worker's connection while messages flow: the worker reports
+/// Reconnecting, comes back, and every message is processed; none is lost or dead-lettered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn connection_killed_by_the_broker_recovers_and_loses_nothing() {
+    init_tracing();
+    const N: u32 = 600;
+    let names = Names::new("kill");
+    let conn = connect().await;
+    let topo = names.topology("q", QueueType::Quorum, names.delay(8, QueueType::Classic));
+    let queue = topo.queue_name();
+    let conn_name = format!("{}worker", names.prefix);
+    let done: Arc<Mutex<HashMap<u32, u32>>> = Default::default();
+    let redelivered = Arc::new(AtomicUsize::new(0));
+    let (d, rd) = (done.clone(), redelivered.clone());
+    let token = CancellationToken::new();
+    let builder = Worker::builder(amqp_url())
+        .topology(topo.clone())
+        .connection_name(conn_name.clone())
+        .reconnect_backoff(
+            redeliver_worker::Backoff::Exponential {
+                base: Duration::from_millis(100),
+                factor: 2.0,
+                cap: Duration::from_secs(2),
+            },
+            Jitter::Full,
+        )
+        .policy(RetryPolicy::constant(Duration::from_millis(20)).max_retries(5))
+        .prefetch(16)
+        .concurrency(8)
+        .handler(move |job: Json<Job>, ctx: Context| {
+            let (d, rd) = (d.clone(), rd.clone());
+            async move {
+                if ctx.redelivered() {
+                    rd.fetch_add(1, Ordering::SeqCst);
+                }
+                tokio::time::sleep(Duration::from_millis(5)).await;
+                *d.lock().unwrap().entry(job.id).or_default() += 1;
+                Ok::<(), HandlerError>(())
+            }
+        });
+    let mut status = builder.status_handle();
+    let states: Arc<Mutex<Vec<WorkerState>>> = Default::default();
+    let st = states.clone();
+    let mut watcher = status.clone();
+    tokio::spawn(async move {
+        while let Some(s) = watcher.changed().await {
+            st.lock().unwrap().push(s);
+        }
+    });
+    let run = tokio::spawn(builder.run(token.clone()));
+    status
+        .wait_for_timeout(Duration::from_secs(30), |s| *s == WorkerState::Consuming)
+        .await
+        .expect("consuming");
+    let n2 = conn_name.clone();
+    assert!(
+        tokio::task::spawn_blocking(move || wait_for_connection(&n2, Duration::from_secs(10)))
+            .await
+            .unwrap(),
+        "management API never listed connection {conn_name}"
+    );
+    let messages = (0..N)
+        .map(|id| {
+            (
+                format!(r#"{{"id":{id}}}"#).into_bytes(),
+                props(&format!("k-{id}")),
+            )
+        })
+        .collect();
+    publish_all(&conn, &queue, messages).await;
+    assert!(
+        eventually(Duration::from_secs(10), || done.lock().unwrap().len()
+            >= 100)
+        .await
+    );
+    let n2 = conn_name.clone();
+    let killed = tokio::task::spawn_blocking(move || kill_connections(&n2))
+        .await
+        .unwrap();
+    assert_eq!(killed, 1, "one worker connection to kill");
+    let processed_at_kill = done.lock().unwrap().len();
+    assert!(
+        status
+            .wait_for_timeout(Duration::from_secs(5), |s| *s != WorkerState::Consuming)
+            .await
+            .is_some(),
+        "worker did not notice the lost connection"
+    );
+    assert!(
+        status
+            .wait_for_timeout(Duration::from_secs(20), |s| *s == WorkerState::Consuming)
+            .await
+            .is_some(),
+        "worker did not recover"
+    );
+    assert!(
+        eventually(Duration::from_secs(30), || done.lock().unwrap().len()
+            == N as usize)
+        .await,
+        "only {} of {N} processed",
+        done.lock().unwrap().len()
+    );
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    token.cancel();
+    run.await.unwrap().unwrap();
+    let done = done.lock().unwrap().clone();
+    let duplicates: u32 = done.values().map(|n| n - 1).sum();
+    eprintln!(
+        "killed after {processed_at_kill} processed; {duplicates} duplicates, {} redelivered deliveries; states {:?}",
+        redelivered.load(Ordering::SeqCst),
+        states.lock().unwrap()
+    );
+    assert_eq!(done.len(), N as usize, "every message processed");
+    assert!(states.lock().unwrap().contains(&WorkerState::Reconnecting));
+    assert_eq!(
+        ready_count(&conn, &queue).await,
+        0,
+        "nothing left in the queue"
+    );
+    assert_eq!(
+        ready_count(&conn, &topo.dlq_name()).await,
+        0,
+        "nothing dead-lettered"
+    );
+}
+
+/// The broker cancels the consumer (its queue is deleted under it, channel still open): the
+/// worker treats the session as lost, re-declares the topology and consumes again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn consumer_cancelled_by_the_broker_redeclares_and_resumes() {
+    init_tracing();
+    let names = Names::new("cancel");
+    let conn = connect().await;
+    let topo = names.topology("q", QueueType::Classic, names.delay(4, QueueType::Classic));
+    let queue = topo.queue_name();
+    let got = Arc::new(AtomicUsize::new(0));
+    let g = got.clone();
+    let token = CancellationToken::new();
+    let builder =
+        Worker::builder(amqp_url())
+            .topology(topo.clone())
+            .handler(move |_m: Raw, _c: Context| {
+                let g = g.clone();
+                async move {
+                    g.fetch_add(1, Ordering::SeqCst);
+                    Ok::<(), HandlerError>(())
+                }
+            });
+    let mut status = builder.status_handle();
+    let run = tokio::spawn(builder.run(token.clone()));
+    status
+        .wait_for_timeout(Duration::from_secs(20), |s| *s == WorkerState::Consuming)
+        .await
+        .expect("consuming");
+    let ch = conn.create_channel().await.unwrap();
+    ch.queue_delete(queue.as_str().into(), Default::default())
+        .await
+        .unwrap();
+    assert!(
+        status
+            .wait_for_timeout(Duration::from_secs(5), |s| *s != WorkerState::Consuming)
+            .await
+            .is_some(),
+        "consumer cancellation not noticed"
+    );
+    assert!(status
+        .wait_for_timeout(Duration::from_secs(20), |s| *s == WorkerState::Consuming)
+        .await
+        .is_some());
+    publish_all(&conn, &queue, vec![(b"x".to_vec(), props("after"))]).await;
+    assert!(eventually(Duration::from_secs(5), || got.load(Ordering::SeqCst) == 1).await);
+    token.cancel();
+    run.await.unwrap().unwrap();
+}
+
+/// Verify-only mode against a topology that does not exist: `run` fails with a topology error
+/// instead of reconnecting forever; with the topology declared it consumes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn verify_only_fails_fast_on_missing_topology() {
+    init_tracing();
+    let names = Names::new("verify");
+    let conn = connect().await;
+    let topo = names.topology("q", QueueType::Classic, names.delay(4, QueueType::Classic));
+    let handler = |_m: Raw, _c: Context| async move { Ok::<(), HandlerError>(()) };
+    let result = tokio::time::timeout(
+        Duration::from_secs(10),
+        Worker::builder(amqp_url())
+            .topology(topo.clone())
+            .verify_only(true)
+            .handler(handler)
+            .run(CancellationToken::new()),
+    )
+    .await
+    .expect("verify-only must not retry forever");
+    match result {
+        Err(WorkerError::Topology(e)) => eprintln!("as expected: {e}"),
+        other => panic!("expected a topology error, got {other:?}"),
+    }
+    topo.declare(&conn).await.unwrap();
+    let token = CancellationToken::new();
+    let builder = Worker::builder(amqp_url())
+        .topology(topo.clone())
+        .verify_only(true)
+        .handler(handler);
+    let mut status = builder.status_handle();
+    let run = tokio::spawn(builder.run(token.clone()));
+    assert!(status
+        .wait_for_timeout(Duration::from_secs(10), |s| *s == WorkerState::Consuming)
+        .await
+        .is_some());
+    token.cancel();
+    run.await.unwrap().unwrap();
+}
+
+/// Two queues with different message types in one process through `run_all`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn several_queues_in_one_process() {
+    init_tracing();
+    let names = Names::new("multi");
+    let conn = connect().await;
+    let delay = names.delay(6, QueueType::Classic);
+    let a = names.topology("a", QueueType::Classic, delay.clone());
+    let b = names.topology("b", QueueType::Classic, delay);
+    let got_a = Arc::new(AtomicUsize::new(0));
+    let got_b = Arc::new(AtomicUsize::new(0));
+    let (ga, gb) = (got_a.clone(), got_b.clone());
+    let wa = Worker::builder(amqp_url())
+        .topology(a.clone())
+        .handler(move |job: Json<Job>, _c: Context| {
+            let ga = ga.clone();
+            async move {
+                assert_eq!(job.id, 7);
+                ga.fetch_add(1, Ordering::SeqCst);
+                Ok::<(), HandlerError>(())
+            }
+        })
+        .build()
+        .unwrap();
+    let wb = Worker::builder(amqp_url())
+        .topology(b.clone())
+        .handler(move |text: redeliver_worker::Text, _c: Context| {
+            let gb = gb.clone();
+            async move {
+                assert_eq!(&*text, "hello");
+                gb.fetch_add(1, Ordering::SeqCst);
+                Ok::<(), HandlerError>(())
+            }
+        })
+        .build()
+        .unwrap();
+    let (mut sa, mut sb) = (wa.status_handle(), wb.status_handle());
+    let token = CancellationToken::new();
+    let run = tokio::spawn(run_all([wa, wb], token.clone()));
+    for s in [&mut sa, &mut sb] {
+        s.wait_for_timeout(Duration::from_secs(20), |s| *s == WorkerState::Consuming)
+            .await
+            .expect("both consuming");
+    }
+    publish_all(
+        &conn,
+        &a.queue_name(),
+        vec![(br#"{"id":7}"#.to_vec(), props("a1"))],
+    )
+    .await;
+    publish_all(
+        &conn,
+        &b.queue_name(),
+        vec![(b"hello".to_vec(), props("b1"))],
+    )
+    .await;
+    assert!(
+        eventually(Duration::from_secs(5), || got_a.load(Ordering::SeqCst) == 1
+            && got_b.load(Ordering::SeqCst) == 1)
+        .await
+    );
+    token.cancel();
+    run.await.unwrap().unwrap();
+    assert_eq!(sa.state(), WorkerState::Stopped);
+    assert_eq!(sb.state(), WorkerState::Stopped);
+}
+
+/// No broker at the address: the worker keeps trying (not ready, state Connecting) instead of
+/// failing, and a cancel while disconnected still returns Ok promptly.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unreachable_broker_keeps_retrying_until_cancelled() {
+    // Port 1 on localhost: nothing listens, connects are refused at once.
+    let attempts_window = Duration::from_millis(800);
+    let builder = Worker::builder("amqp://guest:guest@127.0.0.1:1/%2f")
+        .queue("never")
+        .reconnect_backoff(
+            redeliver_worker::Backoff::Constant(Duration::from_millis(50)),
+            Jitter::None,
+        )
+        .handler(|_m: Raw, _c: Context| async move { Ok::<(), HandlerError>(()) });
+    let status = builder.status_handle();
+    let token = CancellationToken::new();
+    let run = tokio::spawn(builder.run(token.clone()));
+    tokio::time::sleep(attempts_window).await;
+    assert_eq!(status.state(), WorkerState::Connecting);
+    assert!(!status.is_ready());
+    assert!(!run.is_finished(), "connection failures are not fatal");
+    let t = Instant::now();
+    token.cancel();
+    run.await.unwrap().unwrap();
+    assert!(t.elapsed() < Duration::from_secs(1));
+    assert_eq!(status.state(), WorkerState::Stopped);
+}
+
+/// Configuration mistakes are reported by `build`, before any connection.
+#[test]
+fn build_rejects_bad_configuration() {
+    let h = |_m: Raw, _c: Context| async move { Ok::<(), HandlerError>(()) };
+    let err = |b: redeliver_worker::WorkerBuilder| match b.build() {
+        Err(e) => e.to_string(),
+        Ok(_) => panic!("expected an error"),
+    };
+    assert!(err(Worker::builder("amqp://x").handler(h)).contains("no queue"));
+    assert!(err(Worker::builder("amqp://x").queue("q")).contains("no handler"));
+    assert!(err(Worker::builder("amqp://x")
+        .queue("q")
+        .prefetch(0)
+        .handler(h))
+    .contains("prefetch"));
+    assert!(err(Worker::builder("amqp://x")
+        .queue("q")
+        .concurrency(0)
+        .handler(h))
+    .contains("concurrency"));
+    assert!(err(Worker::builder("amqp://x").queue("a.*.b").handler(h)).contains("a.*.b"));
+    assert!(err(Worker::builder("nope://x").queue("q").handler(h)).contains("URL"));
+    let w = Worker::builder("amqp://x")
+        .queue("q")
+        .prefix("eu-")
+        .concurrency(3)
+        .handler(h)
+        .build()
+        .unwrap();
+    assert_eq!(w.queue_name(), "eu-q");
+    assert_eq!(w.status_handle().state(), WorkerState::Starting);
+}

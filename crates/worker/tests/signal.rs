@@ -1,0 +1,77 @@
+//! `run_until_signal`: SIGTERM stops the worker gracefully and it returns Ok (exit code 0).
+//! Its own test binary, because the signal goes to the whole process.
+
+mod common;
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::*;
+use redeliver_worker::{Context, HandlerError, QueueType, Raw, Worker, WorkerState};
+
+#[cfg(unix)]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_drains_and_returns_ok() {
+    init_tracing();
+    let names = Names::new("sig");
+    let conn = connect().await;
+    let topo = names.topology("q", QueueType::Classic, names.delay(4, QueueType::Classic));
+    let queue = topo.queue_name();
+    let started = Arc::new(AtomicUsize::new(0));
+    let finished = Arc::new(AtomicUsize::new(0));
+    let (s, f) = (started.clone(), finished.clone());
+    let builder = Worker::builder(amqp_url())
+        .topology(topo.clone())
+        .concurrency(1)
+        .prefetch(1)
+        .handler(move |_m: Raw, _c: Context| {
+            let (s, f) = (s.clone(), f.clone());
+            async move {
+                s.fetch_add(1, Ordering::SeqCst);
+                tokio::time::sleep(Duration::from_millis(500)).await;
+                f.fetch_add(1, Ordering::SeqCst);
+                Ok::<(), HandlerError>(())
+            }
+        });
+    let mut status = builder.status_handle();
+    let run = tokio::spawn(builder.run_until_signal());
+    status
+        .wait_for_timeout(Duration::from_secs(20), |s| *s == WorkerState::Consuming)
+        .await
+        .expect("consuming");
+    publish_all(
+        &conn,
+        &queue,
+        (0..3)
+            .map(|i| (b"x".to_vec(), props(&format!("t-{i}"))))
+            .collect(),
+    )
+    .await;
+    assert!(
+        eventually(Duration::from_secs(5), || started.load(Ordering::SeqCst)
+            == 1)
+        .await
+    );
+    let pid = std::process::id().to_string();
+    let killed = std::process::Command::new("kill")
+        .args(["-TERM", &pid])
+        .status()
+        .unwrap();
+    assert!(killed.success());
+    let result = tokio::time::timeout(Duration::from_secs(10), run)
+        .await
+        .expect("stops")
+        .unwrap();
+    assert!(result.is_ok(), "{result:?}");
+    assert_eq!(
+        finished.load(Ordering::SeqCst),
+        1,
+        "the in-flight handler finished"
+    );
+    assert_eq!(
+        ready_count(&conn, &queue).await,
+        2,
+        "the other two wait in the queue"
+    );
+}
