@@ -1,0 +1,233 @@
+//! Dispatch: turns parsed arguments into one command run against one connection.
+
+use redeliver_amqp::delay::DelayConfig;
+use redeliver_amqp::topology::Topology;
+
+use crate::cli::{
+    Cli, Command, DelayCmd, DlqCmd, TopologyArgs, TopologyCmd, UnroutableArgs, UnroutableCmd,
+    DEFAULT_URL,
+};
+use crate::conn::{self, BrokerUrl};
+use crate::dlq::{self, Selection, Source};
+use crate::errors::{HintContext, UsageError};
+use crate::{probe, topology};
+
+/// Everything main needs to print an error well: the URL (to scrub the password) and hints.
+pub struct Invocation {
+    pub url: Option<BrokerUrl>,
+    pub hints: HintContext,
+}
+
+/// `redeliver topology declare QUEUE [--prefix P]`, to quote in "declare it" hints.
+fn declare_line(queue: &str, prefix: &str) -> String {
+    if prefix.is_empty() {
+        format!("redeliver topology declare {queue}")
+    } else {
+        format!("redeliver topology declare {queue} --prefix {prefix}")
+    }
+}
+
+fn hints_for(cmd: &Command) -> HintContext {
+    let declare_command = match cmd {
+        Command::Topology(TopologyCmd::Declare(a) | TopologyCmd::Verify(a)) => {
+            Some(declare_line(&a.queue, &a.prefix))
+        }
+        Command::Topology(TopologyCmd::Show(s)) => {
+            Some(declare_line(&s.topology.queue, &s.topology.prefix))
+        }
+        Command::Topology(TopologyCmd::Delete(d)) => Some(declare_line(&d.queue, &d.prefix)),
+        Command::Dlq(
+            DlqCmd::List(crate::cli::ListArgs { queue: q, .. })
+            | DlqCmd::Peek(crate::cli::PeekArgs { queue: q, .. })
+            | DlqCmd::Replay(crate::cli::ReplayArgs { queue: q, .. })
+            | DlqCmd::Purge(crate::cli::PurgeArgs { queue: q, .. }),
+        ) => Some(declare_line(&q.queue, &q.prefix)),
+        Command::Unroutable(c) => {
+            let p = match c {
+                UnroutableCmd::List(a) => &a.common.prefix,
+                UnroutableCmd::Peek(a) => &a.common.prefix,
+                UnroutableCmd::Replay(a) => &a.common.prefix,
+                UnroutableCmd::Purge(a) => &a.common.prefix,
+            };
+            Some(declare_line("QUEUE", p))
+        }
+        Command::Delay(DelayCmd::Probe(p)) => Some(declare_line("QUEUE", &p.prefix)),
+    };
+    HintContext { declare_command }
+}
+
+/// Refuses destructive commands without --yes before anything connects (exit code 2).
+fn check_confirmations(cmd: &Command) -> Result<(), UsageError> {
+    let (yes, what) = match cmd {
+        Command::Dlq(DlqCmd::Purge(p)) => (
+            p.yes,
+            format!(
+                "purging deletes every message of '{}' for good",
+                Topology::new(p.queue.queue.clone())
+                    .prefix(p.queue.prefix.clone())
+                    .dlq_name()
+            ),
+        ),
+        Command::Unroutable(UnroutableCmd::Purge(p)) => (
+            p.yes,
+            format!(
+                "purging deletes every message of '{}' for good",
+                unroutable_queue(&p.common)
+            ),
+        ),
+        Command::Topology(TopologyCmd::Delete(d)) => (
+            d.yes,
+            "deleting the queues destroys their messages".to_owned(),
+        ),
+        _ => return Ok(()),
+    };
+    if yes {
+        Ok(())
+    } else {
+        Err(UsageError(format!(
+            "{what}; nothing was changed. Add --yes to confirm"
+        )))
+    }
+}
+
+fn unroutable_queue(a: &UnroutableArgs) -> String {
+    DelayConfig::new()
+        .prefix(a.prefix.clone())
+        .levels(a.levels)
+        .unroutable_name()
+}
+
+fn unroutable_source(a: &UnroutableArgs) -> Source {
+    Source::Unroutable {
+        queue: unroutable_queue(a),
+        levels: a.levels,
+        only: a.destination.clone(),
+    }
+}
+
+fn dlq_source(queue: &str, prefix: &str) -> Source {
+    let t = Topology::new(queue.to_owned()).prefix(prefix.to_owned());
+    Source::Dlq {
+        dlq: t.dlq_name(),
+        home: t.queue_name(),
+    }
+}
+
+/// Parses the URL and the confirmations, returning what error printing needs even when the
+/// command then fails.
+pub fn prepare(cli: &Cli) -> (Invocation, Result<(), anyhow::Error>) {
+    let hints = hints_for(&cli.command);
+    let raw = cli.url.as_deref().unwrap_or(DEFAULT_URL);
+    let url = match BrokerUrl::parse(raw) {
+        Ok(u) => u,
+        Err(e) => return (Invocation { url: None, hints }, Err(e.into())),
+    };
+    let checked = check_confirmations(&cli.command).map_err(anyhow::Error::from);
+    (
+        Invocation {
+            url: Some(url),
+            hints,
+        },
+        checked,
+    )
+}
+
+/// Runs the command. `url` comes from [`prepare`].
+pub async fn run(cli: Cli, url: &BrokerUrl) -> anyhow::Result<()> {
+    let conn = conn::connect(url, cli.connect_timeout).await?;
+    let result = dispatch(cli.command, &conn).await;
+    // Closing politely lets the broker requeue at once instead of on socket loss; a failure
+    // here changes nothing for the user.
+    let _ = conn.close(200, "redeliver-cli done".into()).await;
+    result
+}
+
+async fn dispatch(cmd: Command, conn: &lapin::Connection) -> anyhow::Result<()> {
+    match cmd {
+        Command::Topology(t) => match t {
+            TopologyCmd::Declare(a) => topology::declare(conn, &a).await,
+            TopologyCmd::Verify(a) => topology::verify(conn, &a).await,
+            TopologyCmd::Show(s) => topology::show(conn, &s.topology, s.json).await,
+            TopologyCmd::Delete(d) => {
+                let a = TopologyArgs {
+                    queue: d.queue,
+                    prefix: d.prefix,
+                    classic: false,
+                    delivery_limit: 20,
+                    no_delivery_limit: false,
+                    dlq_message_ttl: None,
+                    dlq_max_length: None,
+                    bindings: Vec::new(),
+                    delay: d.delay,
+                };
+                topology::delete(conn, &a, d.include_delay).await
+            }
+        },
+        Command::Dlq(d) => match d {
+            DlqCmd::List(a) => {
+                dlq::list(
+                    conn,
+                    &dlq_source(&a.queue.queue, &a.queue.prefix),
+                    a.limit,
+                    a.json,
+                )
+                .await
+            }
+            DlqCmd::Peek(a) => {
+                dlq::peek(
+                    conn,
+                    &dlq_source(&a.queue.queue, &a.queue.prefix),
+                    &a.message_id,
+                    a.json,
+                )
+                .await
+            }
+            DlqCmd::Replay(a) => {
+                let sel = Selection {
+                    limit: a.limit,
+                    message_ids: a.message_ids,
+                    dry_run: a.dry_run,
+                    to: None,
+                };
+                dlq::replay(
+                    conn,
+                    &dlq_source(&a.queue.queue, &a.queue.prefix),
+                    &sel,
+                    DelayConfig::new().prefix(a.queue.prefix.clone()),
+                )
+                .await
+            }
+            DlqCmd::Purge(a) => {
+                let dlq = Topology::new(a.queue.queue.clone())
+                    .prefix(a.queue.prefix.clone())
+                    .dlq_name();
+                dlq::purge(conn, &dlq).await
+            }
+        },
+        Command::Unroutable(u) => match u {
+            UnroutableCmd::List(a) => {
+                dlq::list(conn, &unroutable_source(&a.common), a.limit, a.json).await
+            }
+            UnroutableCmd::Peek(a) => {
+                dlq::peek(conn, &unroutable_source(&a.common), &a.message_id, a.json).await
+            }
+            UnroutableCmd::Replay(a) => {
+                let sel = Selection {
+                    limit: a.limit,
+                    message_ids: a.message_ids,
+                    dry_run: a.dry_run,
+                    to: a.to,
+                };
+                let cfg = DelayConfig::new()
+                    .prefix(a.common.prefix.clone())
+                    .levels(a.common.levels);
+                dlq::replay(conn, &unroutable_source(&a.common), &sel, cfg).await
+            }
+            UnroutableCmd::Purge(a) => dlq::purge(conn, &unroutable_queue(&a.common)).await,
+        },
+        Command::Delay(DelayCmd::Probe(p)) => {
+            let cfg = topology::delay_config(&p.prefix, &p.delay);
+            probe::run(conn, &cfg, &p.prefix, &p.delays, p.grace).await
+        }
+    }
+}

@@ -1,0 +1,195 @@
+//! Reading a queue without disturbing it.
+//!
+//! Method: a passive `queue.declare` gives the number of ready messages; a consumer with manual
+//! acknowledgements and a prefetch sized to what we want to see takes the deliveries; closing
+//! the channel without acknowledging returns every unacknowledged message to the queue in its
+//! original position and order (classic queues requeue by sequence number, quorum queues return
+//! a consumer's checked-out messages sorted by their index).
+//!
+//! Not basic.get + requeue: each requeued message goes back to the head of the queue one by one,
+//! so the next reader (or the next basic.get) sees them in another order, and a quorum queue
+//! counts every single requeue as a delivery. The consumer approach costs one return per message
+//! in total, and `replay` uses the same reader: it acknowledges only what it moved.
+
+use std::time::Duration;
+
+use anyhow::Context as _;
+use futures::StreamExt as _;
+use lapin::message::Delivery;
+use lapin::options::{BasicConsumeOptions, BasicQosOptions, QueueDeclareOptions};
+use lapin::types::FieldTable;
+use lapin::{Channel, Connection, Consumer, ErrorKind};
+
+use crate::errors::QueueMissing;
+
+/// How long to wait for the next delivery before concluding the broker has no more for us
+/// (someone else consumed them, or the queue shrank since the count). Deliveries of ready
+/// messages normally follow each other within milliseconds.
+pub const IDLE: Duration = Duration::from_secs(3);
+
+/// Largest prefetch AMQP can express (basic.qos prefetch-count is a short).
+pub const MAX_PREFETCH: u32 = u16::MAX as u32;
+
+/// Live counts of a queue, from a passive declare.
+#[derive(Clone, Copy, Debug)]
+pub struct QueueCounts {
+    pub messages: u32,
+    pub consumers: u32,
+}
+
+/// Passive declare of `queue` on a throwaway channel (a 404 closes the channel it happens on).
+/// `Ok(None)` when the queue does not exist.
+pub async fn probe_queue(conn: &Connection, queue: &str) -> anyhow::Result<Option<QueueCounts>> {
+    let ch = conn
+        .create_channel()
+        .await
+        .context("cannot open a channel")?;
+    let res = ch
+        .queue_declare(
+            queue.into(),
+            QueueDeclareOptions {
+                passive: true,
+                ..QueueDeclareOptions::default()
+            },
+            FieldTable::default(),
+        )
+        .await;
+    match res {
+        Ok(q) => {
+            // Best effort: the channel is done either way and the connection closes soon.
+            let _ = ch.close(200, "ok".into()).await;
+            Ok(Some(QueueCounts {
+                messages: q.message_count(),
+                consumers: q.consumer_count(),
+            }))
+        }
+        Err(e) if is_not_found(&e) => Ok(None),
+        Err(e) => Err(e).with_context(|| format!("cannot inspect queue '{queue}'")),
+    }
+}
+
+/// Like [`probe_queue`] but a missing queue is an error that tells how to declare it.
+pub async fn require_queue(conn: &Connection, queue: &str) -> anyhow::Result<QueueCounts> {
+    probe_queue(conn, queue).await?.ok_or_else(|| {
+        anyhow::Error::new(QueueMissing {
+            queue: queue.to_owned(),
+        })
+    })
+}
+
+/// True for the broker's 404 NOT_FOUND.
+pub fn is_not_found(e: &lapin::Error) -> bool {
+    matches!(e.kind(), ErrorKind::ProtocolError(a) if a.get_id() == 404)
+}
+
+/// A consumer over one queue whose unacknowledged deliveries all go back, in order, when it is
+/// closed. Used by list and peek (which acknowledge nothing) and replay (which acknowledges
+/// only what it has safely republished).
+pub struct Reader {
+    channel: Channel,
+    consumer: Consumer,
+    queue: String,
+}
+
+impl Reader {
+    /// Starts consuming `queue` with manual acks and `prefetch` (clamped to 1..=65535).
+    pub async fn open(conn: &Connection, queue: &str, prefetch: u32) -> anyhow::Result<Self> {
+        let channel = conn
+            .create_channel()
+            .await
+            .context("cannot open a channel")?;
+        let prefetch = prefetch.clamp(1, MAX_PREFETCH) as u16;
+        channel
+            // Per consumer (global = false): global QoS is deprecated in RabbitMQ.
+            .basic_qos(prefetch, BasicQosOptions { global: false })
+            .await
+            .context("cannot set the prefetch")?;
+        let tag = format!("redeliver-cli-{}", uuid::Uuid::new_v4().simple());
+        let consumer = channel
+            .basic_consume(
+                queue.into(),
+                tag.as_str().into(),
+                BasicConsumeOptions {
+                    no_ack: false,
+                    ..BasicConsumeOptions::default()
+                },
+                FieldTable::default(),
+            )
+            .await
+            .map_err(|e| {
+                if is_not_found(&e) {
+                    anyhow::Error::new(QueueMissing {
+                        queue: queue.to_owned(),
+                    })
+                } else {
+                    anyhow::Error::new(e).context(format!("cannot consume from '{queue}'"))
+                }
+            })?;
+        Ok(Self {
+            channel,
+            consumer,
+            queue: queue.to_owned(),
+        })
+    }
+
+    /// The next delivery, or `None` when none came within `idle` or the consumer was cancelled
+    /// by the broker (queue deleted).
+    pub async fn next(&mut self, idle: Duration) -> anyhow::Result<Option<Delivery>> {
+        match tokio::time::timeout(idle, self.consumer.next()).await {
+            Ok(Some(Ok(d))) => Ok(Some(d)),
+            Ok(Some(Err(e))) => {
+                Err(e).with_context(|| format!("lost the consumer on '{}'", self.queue))
+            }
+            Ok(None) | Err(_) => Ok(None),
+        }
+    }
+
+    /// Reads up to `n` deliveries.
+    pub async fn take(&mut self, n: usize, idle: Duration) -> anyhow::Result<Vec<Delivery>> {
+        let mut out = Vec::with_capacity(n.min(4096));
+        while out.len() < n {
+            match self.next(idle).await? {
+                Some(d) => out.push(d),
+                None => break,
+            }
+        }
+        Ok(out)
+    }
+
+    /// Closes the channel: the broker requeues every unacknowledged delivery in its original
+    /// position. Waits for close-ok so the messages are back before the command exits.
+    pub async fn close(self) -> anyhow::Result<()> {
+        self.channel
+            .close(200, "redeliver-cli done".into())
+            .await
+            .with_context(|| {
+                format!(
+                    "closing the channel on '{}' failed; the broker returns its messages when \
+                     the connection closes",
+                    self.queue
+                )
+            })
+    }
+}
+
+/// Reads up to `limit` messages of `queue` and puts them all back, in order.
+/// Returns the ready count at the start and the deliveries (their ackers are dead once this
+/// returns: nothing can acknowledge them by accident).
+pub async fn snapshot(
+    conn: &Connection,
+    queue: &str,
+    limit: u32,
+) -> anyhow::Result<(QueueCounts, Vec<Delivery>)> {
+    let counts = require_queue(conn, queue).await?;
+    let want = counts.messages.min(limit);
+    if want == 0 {
+        return Ok((counts, Vec::new()));
+    }
+    let mut reader = Reader::open(conn, queue, want).await?;
+    let got = reader.take(want as usize, IDLE).await;
+    // Close even when reading failed, so the messages go back now rather than at disconnect.
+    let closed = reader.close().await;
+    let got = got?;
+    closed?;
+    Ok((counts, got))
+}

@@ -1,0 +1,45 @@
+//! `redeliver`: the operator CLI of the redeliver framework.
+//!
+//! Kept thin: argument parsing is in `cli`, each command in its own module, error texts and
+//! exit codes in `errors`.
+
+mod app;
+mod browse;
+mod cli;
+mod conn;
+mod dlq;
+mod errors;
+mod message;
+mod output;
+mod probe;
+mod topology;
+
+use std::process::ExitCode;
+
+use clap::Parser as _;
+
+fn main() -> ExitCode {
+    // clap prints usage errors itself and exits with code 2.
+    let cli = cli::Cli::parse();
+    let (inv, checked) = app::prepare(&cli);
+    let result = checked.and_then(|()| {
+        let url = inv
+            .url
+            .as_ref()
+            .ok_or_else(|| anyhow::anyhow!("no broker URL"))?;
+        // Two worker threads are plenty for one connection; the CLI is I/O bound.
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .map_err(anyhow::Error::from)?;
+        rt.block_on(app::run(cli, url))
+    });
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprint!("{}", errors::render(&e, inv.url.as_ref(), &inv.hints));
+            ExitCode::from(errors::exit_code(&e))
+        }
+    }
+}

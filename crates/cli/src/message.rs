@@ -1,0 +1,326 @@
+//! What the CLI reads out of a dead-lettered or parked message, and how it rebuilds one for
+//! replay.
+
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use lapin::message::Delivery;
+use lapin::types::{AMQPValue, FieldTable, ShortString};
+use lapin::BasicProperties;
+use redeliver_amqp::headers::{self, RetryState, XDeath};
+use serde::Serialize;
+
+/// Headers the broker writes when it dead-letters or redelivers. From RabbitMQ 3.13 the broker
+/// owns `x-*` headers and ignores them on republished messages, and on older brokers a stale
+/// `x-death` would make the replayed copy look like it already died: both reasons to drop them.
+const BROKER_HEADERS: &[&str] = &[headers::X_DEATH, headers::X_DELIVERY_COUNT];
+const BROKER_HEADER_PREFIXES: &[&str] =
+    &[headers::X_FIRST_DEATH_PREFIX, headers::X_LAST_DEATH_PREFIX];
+
+/// Length of the body preview in `list` tables and JSON.
+pub const PREVIEW_CHARS: usize = 60;
+
+/// One x-death entry, as shown to operators.
+#[derive(Clone, Debug, Serialize)]
+pub struct DeathView {
+    pub queue: String,
+    pub reason: String,
+    pub count: u64,
+    pub exchange: String,
+    pub routing_keys: Vec<String>,
+    pub time: Option<String>,
+}
+
+impl From<&XDeath> for DeathView {
+    fn from(d: &XDeath) -> Self {
+        Self {
+            queue: d.queue.clone(),
+            reason: d.reason.clone(),
+            count: d.count,
+            exchange: d.exchange.clone(),
+            routing_keys: d.routing_keys.clone(),
+            time: d.time.map(unix_to_rfc3339),
+        }
+    }
+}
+
+/// The summary row of one message (`dlq list`, `unroutable list`). Field names are the JSON
+/// keys of `--json`, a stable interface for scripts.
+#[derive(Clone, Debug, Serialize)]
+pub struct Summary {
+    /// 1-based position from the head of the queue when it was read.
+    pub position: usize,
+    pub message_id: Option<String>,
+    pub correlation_id: Option<String>,
+    pub content_type: Option<String>,
+    /// The `timestamp` property (RFC 3339), set by the publisher.
+    pub timestamp: Option<String>,
+    pub exchange: String,
+    pub routing_key: String,
+    pub redelivered: bool,
+    /// `x-redeliver-first-failed-at`, or for a message dead-lettered on its first failure
+    /// (never retried, so no such header) the time of its first x-death.
+    pub first_failed_at: Option<String>,
+    /// Retries already made (`x-redeliver-attempt`; 0 when never retried).
+    pub attempts: u32,
+    pub last_error: Option<String>,
+    pub original_exchange: Option<String>,
+    pub original_routing_key: Option<String>,
+    /// Reason and count of the x-death entry that put the message here (the one naming the
+    /// source queue when there is one, else the most recent).
+    pub death_reason: Option<String>,
+    pub death_count: Option<u64>,
+    pub x_death: Vec<DeathView>,
+    /// Quorum queues' `x-delivery-count` (how often the broker handed the message out).
+    pub delivery_count: Option<i64>,
+    /// Unroutable parking queue only: the queue the delayed copy was on its way to.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub destination: Option<String>,
+    pub body_bytes: usize,
+    pub body_preview: String,
+}
+
+/// Builds the summary of `d`, read at `position`. `source_queue` picks the relevant x-death
+/// entry; `levels` (unroutable only) lets the destination be read from the routing key.
+pub fn summarize(
+    position: usize,
+    d: &Delivery,
+    source_queue: Option<&str>,
+    levels: Option<u8>,
+) -> Summary {
+    let p = &d.properties;
+    let hdrs = p.headers().as_ref();
+    let state = RetryState::read(hdrs);
+    let deaths = headers::x_death(hdrs);
+    let relevant = source_queue
+        .and_then(|q| deaths.iter().find(|x| x.queue == q))
+        .or_else(|| deaths.first());
+    let first_failed_at = state.first_failed_at.clone().or_else(|| {
+        deaths
+            .iter()
+            .filter_map(|x| x.time)
+            .min()
+            .map(unix_to_rfc3339)
+    });
+    Summary {
+        position,
+        message_id: short(p.message_id()),
+        correlation_id: short(p.correlation_id()),
+        content_type: short(p.content_type()),
+        timestamp: p.timestamp().map(unix_to_rfc3339),
+        exchange: d.exchange.to_string(),
+        routing_key: d.routing_key.to_string(),
+        redelivered: d.redelivered,
+        first_failed_at,
+        attempts: state.attempt,
+        last_error: state.last_error.clone(),
+        original_exchange: state.original_exchange.clone(),
+        original_routing_key: state.original_routing_key.clone(),
+        death_reason: relevant.map(|x| x.reason.clone()),
+        death_count: relevant.map(|x| x.count),
+        x_death: deaths.iter().map(DeathView::from).collect(),
+        delivery_count: hdrs
+            .and_then(|h| h.inner().get(headers::X_DELIVERY_COUNT))
+            .and_then(as_i64),
+        destination: levels.and_then(|l| destination_from_routing_key(d.routing_key.as_str(), l)),
+        body_bytes: d.data.len(),
+        body_preview: preview(&d.data, PREVIEW_CHARS),
+    }
+}
+
+fn short(v: &Option<ShortString>) -> Option<String> {
+    v.as_ref().map(ShortString::to_string)
+}
+
+fn as_i64(v: &AMQPValue) -> Option<i64> {
+    match v {
+        AMQPValue::ShortShortInt(n) => Some(i64::from(*n)),
+        AMQPValue::ShortShortUInt(n) => Some(i64::from(*n)),
+        AMQPValue::ShortInt(n) => Some(i64::from(*n)),
+        AMQPValue::ShortUInt(n) => Some(i64::from(*n)),
+        AMQPValue::LongInt(n) => Some(i64::from(*n)),
+        AMQPValue::LongUInt(n) => Some(i64::from(*n)),
+        AMQPValue::LongLongInt(n) => Some(*n),
+        _ => None,
+    }
+}
+
+/// Seconds since the epoch -> "2024-05-01T12:00:00Z".
+pub fn unix_to_rfc3339(secs: u64) -> String {
+    let t = UNIX_EPOCH + Duration::from_secs(secs);
+    humantime::format_rfc3339_seconds(t).to_string()
+}
+
+/// Now, for "read at" lines.
+pub fn now_rfc3339() -> String {
+    humantime::format_rfc3339_seconds(SystemTime::now()).to_string()
+}
+
+/// A one-line preview: JSON re-serialized compactly, UTF-8 text with control characters
+/// escaped, binary as a byte count and hex head. Truncated on a char boundary with "…".
+pub fn preview(body: &[u8], max_chars: usize) -> String {
+    let text = if let Ok(v) = serde_json::from_slice::<serde_json::Value>(body) {
+        v.to_string()
+    } else if let Ok(s) = std::str::from_utf8(body) {
+        s.chars().flat_map(char::escape_debug).collect::<String>()
+    } else {
+        let head: String = body.iter().take(16).map(|b| format!("{b:02x}")).collect();
+        format!("<{} bytes binary: {head}>", body.len())
+    };
+    truncate_chars(&text, max_chars)
+}
+
+/// Cuts `s` to at most `max` characters, marking the cut with "…".
+pub fn truncate_chars(s: &str, max: usize) -> String {
+    if s.chars().count() <= max {
+        return s.to_owned();
+    }
+    let mut out: String = s.chars().take(max.saturating_sub(1)).collect();
+    out.push('…');
+    out
+}
+
+/// The parking queue receives delayed copies with routing key `b(L-1). ... .b0.QUEUE`: the
+/// destination is what follows the L bit words. None when the key does not have that shape.
+pub fn destination_from_routing_key(key: &str, levels: u8) -> Option<String> {
+    let mut words = key.split('.');
+    for _ in 0..levels {
+        match words.next() {
+            Some("0") | Some("1") => {}
+            _ => return None,
+        }
+    }
+    let rest: Vec<&str> = words.collect();
+    if rest.is_empty() || rest.iter().any(|w| w.is_empty()) {
+        return None;
+    }
+    Some(rest.join("."))
+}
+
+/// Properties for the copy published on replay.
+///
+/// Everything is kept (body, message_id, content_type, correlation_id, timestamp, priority,
+/// reply_to, expiration, type, app_id, user headers...) except:
+/// - the broker's dead-lettering headers (x-death, x-first-death-*, x-last-death-*,
+///   x-delivery-count): they describe the old life of the message;
+/// - with `reset_retry_state`, every `x-redeliver-*` header, so the attempt count starts again;
+/// - `user_id`: the broker rejects a publish whose user_id is not the connection's user (a 406
+///   that would close the publishing channel), and the copy is now published by the operator.
+pub fn replay_properties(p: &BasicProperties, reset_retry_state: bool) -> BasicProperties {
+    let mut out = BasicProperties::default();
+    if let Some(v) = p.content_type() {
+        out = out.with_content_type(v.clone());
+    }
+    if let Some(v) = p.content_encoding() {
+        out = out.with_content_encoding(v.clone());
+    }
+    if let Some(h) = p.headers() {
+        out = out.with_headers(replay_headers(h, reset_retry_state));
+    }
+    if let Some(v) = p.delivery_mode() {
+        out = out.with_delivery_mode(*v);
+    }
+    if let Some(v) = p.priority() {
+        out = out.with_priority(*v);
+    }
+    if let Some(v) = p.correlation_id() {
+        out = out.with_correlation_id(v.clone());
+    }
+    if let Some(v) = p.reply_to() {
+        out = out.with_reply_to(v.clone());
+    }
+    if let Some(v) = p.expiration() {
+        out = out.with_expiration(v.clone());
+    }
+    if let Some(v) = p.message_id() {
+        out = out.with_message_id(v.clone());
+    }
+    if let Some(v) = p.timestamp() {
+        out = out.with_timestamp(*v);
+    }
+    if let Some(v) = p.kind() {
+        out = out.with_type(v.clone());
+    }
+    if let Some(v) = p.app_id() {
+        out = out.with_app_id(v.clone());
+    }
+    if let Some(v) = p.cluster_id() {
+        out = out.with_cluster_id(v.clone());
+    }
+    out
+}
+
+/// The header table for a replayed copy (see [`replay_properties`]).
+pub fn replay_headers(h: &FieldTable, reset_retry_state: bool) -> FieldTable {
+    let mut out = FieldTable::default();
+    for (k, v) in h.inner() {
+        let key = k.as_str();
+        let broker = BROKER_HEADERS.contains(&key)
+            || BROKER_HEADER_PREFIXES.iter().any(|p| key.starts_with(p));
+        let ours = reset_retry_state && key.starts_with(headers::PREFIX);
+        if !broker && !ours {
+            out.insert(k.clone(), v.clone());
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn destination_is_after_the_bit_words() {
+        assert_eq!(
+            destination_from_routing_key("0.1.1.orders.eu", 3).as_deref(),
+            Some("orders.eu")
+        );
+        assert_eq!(destination_from_routing_key("0.1.orders", 3), None);
+        assert_eq!(destination_from_routing_key("0.1.0", 3), None);
+        assert_eq!(destination_from_routing_key("0.1.0.a..b", 3), None);
+        assert_eq!(destination_from_routing_key("orders", 3), None);
+    }
+
+    #[test]
+    fn preview_compacts_json_and_truncates() {
+        assert_eq!(preview(b"{ \"a\" : 1 }", 60), r#"{"a":1}"#);
+        assert_eq!(preview(b"line1\nline2", 60), "line1\\nline2");
+        assert_eq!(preview("ééééé".as_bytes(), 3), "éé…");
+        assert!(preview(&[0xff, 0xfe, 0x00], 60).starts_with("<3 bytes binary: fffe00"));
+    }
+
+    #[test]
+    fn replay_headers_strip_broker_and_retry_headers() {
+        let mut h = FieldTable::default();
+        h.insert("x-death".into(), AMQPValue::Boolean(true));
+        h.insert("x-first-death-queue".into(), AMQPValue::Boolean(true));
+        h.insert("x-last-death-reason".into(), AMQPValue::Boolean(true));
+        h.insert("x-delivery-count".into(), AMQPValue::LongLongInt(3));
+        h.insert(headers::ATTEMPT.into(), AMQPValue::LongLongInt(3));
+        h.insert("tenant".into(), AMQPValue::LongString("acme".into()));
+        let reset = replay_headers(&h, true);
+        assert_eq!(
+            reset.inner().keys().map(|k| k.as_str()).collect::<Vec<_>>(),
+            vec!["tenant"]
+        );
+        let kept = replay_headers(&h, false);
+        assert!(kept.contains_key(headers::ATTEMPT));
+        assert!(!kept.contains_key("x-death"));
+    }
+
+    #[test]
+    fn replay_properties_keep_identity_and_drop_user_id() {
+        let p = BasicProperties::default()
+            .with_message_id("m1".into())
+            .with_correlation_id("c1".into())
+            .with_content_type("application/json".into())
+            .with_user_id("someone".into());
+        let r = replay_properties(&p, true);
+        assert_eq!(r.message_id().as_ref().map(|s| s.as_str()), Some("m1"));
+        assert_eq!(r.correlation_id().as_ref().map(|s| s.as_str()), Some("c1"));
+        assert_eq!(
+            r.content_type().as_ref().map(|s| s.as_str()),
+            Some("application/json")
+        );
+        assert!(r.user_id().is_none());
+    }
+}

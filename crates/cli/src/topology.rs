@@ -1,0 +1,376 @@
+//! `topology declare|verify|show|delete`.
+
+use anyhow::Context as _;
+use lapin::options::ExchangeDeclareOptions;
+use lapin::types::FieldTable;
+use lapin::{Connection, ExchangeKind};
+use redeliver_amqp::delay::DelayConfig;
+use redeliver_amqp::topology::{QueueType, Topology};
+use serde::Serialize;
+use serde_json::Value;
+
+use crate::browse;
+use crate::cli::{DelayArgs, TopologyArgs};
+use crate::output::{table_json, Table};
+
+/// The delay configuration the flags describe.
+pub fn delay_config(prefix: &str, d: &DelayArgs) -> DelayConfig {
+    DelayConfig::new()
+        .prefix(prefix)
+        .levels(d.levels)
+        .granularity(d.granularity)
+        .queue_type(if d.delay_classic {
+            QueueType::Classic
+        } else {
+            QueueType::Quorum
+        })
+}
+
+/// The topology the flags describe. The delay configuration is always given explicitly so its
+/// queue type follows --delay-classic, not --classic.
+pub fn topology(a: &TopologyArgs) -> Topology {
+    let mut t = Topology::new(a.queue.clone())
+        .prefix(a.prefix.clone())
+        .queue_type(if a.classic {
+            QueueType::Classic
+        } else {
+            QueueType::Quorum
+        })
+        .delivery_limit(if a.no_delivery_limit {
+            None
+        } else {
+            Some(a.delivery_limit)
+        })
+        .delay(delay_config(&a.prefix, &a.delay));
+    if let Some(ttl) = a.dlq_message_ttl {
+        t = t.dlq_message_ttl(ttl);
+    }
+    if let Some(n) = a.dlq_max_length {
+        t = t.dlq_max_length(n);
+    }
+    for (ex, key) in &a.bindings {
+        t = t.bind(ex.clone(), key.clone());
+    }
+    t
+}
+
+fn describe_delay(a: &TopologyArgs) -> String {
+    format!(
+        "the delay infrastructure '{}redeliver.delay.*' ({} {} levels of {})",
+        a.prefix,
+        a.delay.levels,
+        if a.delay.delay_classic {
+            "classic"
+        } else {
+            "quorum"
+        },
+        humantime::format_duration(a.delay.granularity)
+    )
+}
+
+pub async fn declare(conn: &Connection, a: &TopologyArgs) -> anyhow::Result<()> {
+    let t = topology(a);
+    t.declare(conn)
+        .await
+        .with_context(|| format!("cannot declare the topology of '{}'", t.queue_name()))?;
+    println!(
+        "declared queue '{}' ({}), exchange '{}', queue '{}' and {}",
+        t.queue_name(),
+        if a.classic { "classic" } else { "quorum" },
+        t.dlx_name(),
+        t.dlq_name(),
+        describe_delay(a)
+    );
+    Ok(())
+}
+
+pub async fn verify(conn: &Connection, a: &TopologyArgs) -> anyhow::Result<()> {
+    let t = topology(a);
+    t.verify(conn)
+        .await
+        .with_context(|| format!("the topology of '{}' is not in place", t.queue_name()))?;
+    println!(
+        "ok: queue '{}', exchange '{}', queue '{}' and {} exist",
+        t.queue_name(),
+        t.dlx_name(),
+        t.dlq_name(),
+        describe_delay(a)
+    );
+    Ok(())
+}
+
+pub async fn delete(
+    conn: &Connection,
+    a: &TopologyArgs,
+    include_delay: bool,
+) -> anyhow::Result<()> {
+    let t = topology(a);
+    t.delete(conn)
+        .await
+        .with_context(|| format!("cannot delete the topology of '{}'", t.queue_name()))?;
+    println!(
+        "deleted queue '{}', exchange '{}' and queue '{}'",
+        t.queue_name(),
+        t.dlx_name(),
+        t.dlq_name()
+    );
+    if include_delay {
+        t.delay_config()
+            .delete(conn)
+            .await
+            .context("cannot delete the delay infrastructure")?;
+        println!("deleted {}", describe_delay(a));
+    }
+    Ok(())
+}
+
+/// One row of `topology show`.
+#[derive(Debug, Serialize)]
+pub struct ObjectRow {
+    pub kind: &'static str,
+    pub name: String,
+    pub exists: bool,
+    /// Ready messages (queues that exist).
+    pub messages: Option<u32>,
+    pub consumers: Option<u32>,
+    /// The arguments redeliver declares the object with.
+    pub arguments: Value,
+}
+
+/// Exchange type plus arguments, shown together in the ARGUMENTS column.
+fn exchange_args(kind: &str, args: &FieldTable) -> Value {
+    let mut v = serde_json::json!({ "type": kind });
+    if let (Value::Object(m), Value::Object(extra)) = (&mut v, table_json(args)) {
+        m.extend(extra);
+    }
+    v
+}
+
+async fn exchange_exists(conn: &Connection, name: &str) -> anyhow::Result<bool> {
+    // A passive declare that fails with 404 closes its channel: one channel per check.
+    let ch = conn
+        .create_channel()
+        .await
+        .context("cannot open a channel")?;
+    let res = ch
+        .exchange_declare(
+            name.into(),
+            ExchangeKind::Direct,
+            ExchangeDeclareOptions {
+                passive: true,
+                ..ExchangeDeclareOptions::default()
+            },
+            FieldTable::default(),
+        )
+        .await;
+    match res {
+        Ok(()) => {
+            let _ = ch.close(200, "ok".into()).await;
+            Ok(true)
+        }
+        Err(e) if browse::is_not_found(&e) => Ok(false),
+        Err(e) => Err(e).with_context(|| format!("cannot inspect exchange '{name}'")),
+    }
+}
+
+async fn queue_row(
+    conn: &Connection,
+    kind: &'static str,
+    name: String,
+    arguments: Value,
+) -> anyhow::Result<ObjectRow> {
+    let counts = browse::probe_queue(conn, &name).await?;
+    Ok(ObjectRow {
+        kind,
+        exists: counts.is_some(),
+        messages: counts.map(|c| c.messages),
+        consumers: counts.map(|c| c.consumers),
+        name,
+        arguments,
+    })
+}
+
+async fn exchange_row(
+    conn: &Connection,
+    kind: &'static str,
+    name: String,
+    arguments: Value,
+) -> anyhow::Result<ObjectRow> {
+    let exists = exchange_exists(conn, &name).await?;
+    Ok(ObjectRow {
+        kind,
+        exists,
+        messages: None,
+        consumers: None,
+        name,
+        arguments,
+    })
+}
+
+/// Every object, in the order a message meets them.
+pub async fn rows(conn: &Connection, a: &TopologyArgs) -> anyhow::Result<Vec<ObjectRow>> {
+    let t = topology(a);
+    let cfg = t.delay_config().clone();
+    let mut rows = vec![
+        queue_row(
+            conn,
+            "queue",
+            t.queue_name(),
+            table_json(&t.queue_arguments()),
+        )
+        .await?,
+        exchange_row(
+            conn,
+            "exchange",
+            t.dlx_name(),
+            exchange_args("direct", &FieldTable::default()),
+        )
+        .await?,
+        queue_row(conn, "queue", t.dlq_name(), table_json(&t.dlq_arguments())).await?,
+    ];
+    for k in (0..a.delay.levels).rev() {
+        rows.push(
+            exchange_row(
+                conn,
+                "exchange",
+                cfg.level_name(k),
+                exchange_args("topic", &cfg.exchange_arguments()),
+            )
+            .await?,
+        );
+        rows.push(
+            queue_row(
+                conn,
+                "queue",
+                cfg.level_name(k),
+                table_json(&cfg.level_queue_arguments(k)),
+            )
+            .await?,
+        );
+    }
+    rows.push(
+        exchange_row(
+            conn,
+            "exchange",
+            cfg.deliver_exchange(),
+            exchange_args("topic", &cfg.exchange_arguments()),
+        )
+        .await?,
+    );
+    rows.push(
+        exchange_row(
+            conn,
+            "exchange",
+            cfg.unroutable_name(),
+            exchange_args("fanout", &FieldTable::default()),
+        )
+        .await?,
+    );
+    rows.push(
+        queue_row(
+            conn,
+            "queue",
+            cfg.unroutable_name(),
+            table_json(&cfg.unroutable_queue_arguments()),
+        )
+        .await?,
+    );
+    Ok(rows)
+}
+
+fn args_text(v: &Value) -> String {
+    match v {
+        Value::Object(m) if m.is_empty() => "-".to_owned(),
+        Value::Object(m) => m
+            .iter()
+            .map(|(k, v)| match v {
+                Value::String(s) => format!("{k}={s}"),
+                other => format!("{k}={other}"),
+            })
+            .collect::<Vec<_>>()
+            .join(" "),
+        other => other.to_string(),
+    }
+}
+
+pub async fn show(conn: &Connection, a: &TopologyArgs, json: bool) -> anyhow::Result<()> {
+    let rows = rows(conn, a).await?;
+    let t = topology(a);
+    let cfg = t.delay_config();
+    let bindings: Vec<(String, String, String)> = {
+        let mut b = vec![
+            (t.dlx_name(), t.dlq_name(), t.queue_name()),
+            (
+                cfg.deliver_exchange(),
+                t.queue_name(),
+                cfg.deliver_binding_key(&t.queue_name()),
+            ),
+            (cfg.unroutable_name(), cfg.unroutable_name(), String::new()),
+        ];
+        for (ex, key) in &a.bindings {
+            b.push((ex.clone(), t.queue_name(), key.clone()));
+        }
+        b
+    };
+    if json {
+        let v = serde_json::json!({
+            "objects": rows,
+            "bindings": bindings.iter().map(|(s, d, k)| serde_json::json!({
+                "source": s, "destination": d, "routing_key": k
+            })).collect::<Vec<_>>(),
+        });
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&v).context("cannot encode as JSON")?
+        );
+        return Ok(());
+    }
+    let mut table = Table::new(&[
+        ("KIND", 8),
+        ("NAME", 80),
+        ("STATUS", 7),
+        ("MESSAGES", 10),
+        ("CONSUMERS", 9),
+        ("ARGUMENTS (as redeliver declares them)", 200),
+    ]);
+    for r in &rows {
+        table.row(vec![
+            r.kind.to_owned(),
+            r.name.clone(),
+            if r.exists { "ok" } else { "MISSING" }.to_owned(),
+            r.messages.map_or_else(|| "-".to_owned(), |n| n.to_string()),
+            r.consumers
+                .map_or_else(|| "-".to_owned(), |n| n.to_string()),
+            args_text(&r.arguments),
+        ]);
+    }
+    print!("{}", table.render());
+    println!(
+        "bindings (declared by `topology declare`; AMQP cannot list them, see the management UI):"
+    );
+    for (s, d, k) in &bindings {
+        if k.is_empty() {
+            println!("  {s} -> {d}");
+        } else {
+            println!("  {s} -> {d}  key {k}");
+        }
+    }
+    println!(
+        "delay levels 0..{} between exchanges: a 1 bit at a level's word goes to its queue, a 0 \
+         bit to the next lower exchange",
+        a.delay.levels.saturating_sub(1)
+    );
+    let missing = rows.iter().filter(|r| !r.exists).count();
+    if missing > 0 {
+        println!(
+            "{missing} object(s) missing: declare them with `redeliver topology declare {}{}`",
+            a.queue,
+            if a.prefix.is_empty() {
+                String::new()
+            } else {
+                format!(" --prefix {}", a.prefix)
+            }
+        );
+    }
+    Ok(())
+}
