@@ -16,7 +16,7 @@
 //! | [`IN_FLIGHT`] | gauge | `queue` |
 //! | [`CONNECTION_STATE`] | gauge (see [`WorkerState::gauge_value`](crate::WorkerState::gauge_value)) | `queue` |
 //! | [`RECONNECTS`] | counter | `queue` |
-//! | [`DELAY_UNROUTABLE_MESSAGES`] | gauge | `queue` |
+//! | [`DELAY_UNROUTABLE_MESSAGES`] | gauge | `parking_queue` |
 
 /// Deliveries taken from the queue (every delivery counts, redeliveries too).
 pub const MESSAGES_RECEIVED: &str = "redeliver_messages_received_total";
@@ -47,6 +47,8 @@ pub const DELAY_UNROUTABLE_MESSAGES: &str = "redeliver_delay_unroutable_messages
 
 /// Label key: the full queue name (prefix included).
 pub const LABEL_QUEUE: &str = "queue";
+/// Label: name of the delay infrastructure's parking queue (one per delay prefix, vhost-wide).
+pub const LABEL_PARKING_QUEUE: &str = "parking_queue";
 /// Label key: the attempt number written on a retry copy.
 pub const LABEL_ATTEMPT: &str = "attempt";
 /// Label key: why a message was dead-lettered.

@@ -272,7 +272,8 @@ async fn poll_unroutable(connection: Arc<Connection>, name: String) {
             .await;
         match declared {
             Ok(q) => {
-                metrics::gauge!(m::DELAY_UNROUTABLE_MESSAGES).set(f64::from(q.message_count()));
+                metrics::gauge!(m::DELAY_UNROUTABLE_MESSAGES, m::LABEL_PARKING_QUEUE => name.clone())
+                    .set(f64::from(q.message_count()));
                 if q.message_count() > 0 {
                     warn!(queue = %name, messages = q.message_count(), "messages parked in the delay infrastructure's unroutable queue");
                 }

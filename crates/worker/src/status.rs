@@ -163,6 +163,9 @@ impl StatusSender {
     pub(crate) fn set(&self, state: WorkerState) {
         // send_if_modified, not send: send fails when no receiver exists (nobody may be
         // watching), and watchers should wake only on a real change.
+        // The gauge first: a watcher woken by the change must already read the new value.
+        metrics::gauge!(metrics_names::CONNECTION_STATE, metrics_names::LABEL_QUEUE => self.queue_label())
+            .set(state.gauge_value());
         let mut previous = state;
         self.tx.send_if_modified(|current| {
             previous = *current;
@@ -172,7 +175,5 @@ impl StatusSender {
         if previous != state {
             tracing::debug!(queue = %self.queue_label(), from = %previous, to = %state, "worker state");
         }
-        metrics::gauge!(metrics_names::CONNECTION_STATE, metrics_names::LABEL_QUEUE => self.queue_label())
-            .set(state.gauge_value());
     }
 }
