@@ -55,3 +55,8 @@ pub use redeliver_worker::{
     CancellationToken, Context, FromDelivery, Handler, Json, Raw, Text, Worker, WorkerBuilder,
     WorkerError, WorkerStatus,
 };
+
+// The README's Rust examples are compiled as doctests so they cannot drift from the API.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+struct ReadmeDoctests;

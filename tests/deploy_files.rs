@@ -32,9 +32,15 @@ fn compose_runs_rabbitmq_with_management_and_the_worker() {
     assert!(ports.contains(&"15672:15672"), "{ports:?}");
 
     let worker = &doc["services"]["worker"];
-    assert_eq!(worker["build"]["dockerfile"].as_str(), Some("compose/Dockerfile"));
+    assert_eq!(
+        worker["build"]["dockerfile"].as_str(),
+        Some("compose/Dockerfile")
+    );
     let url = worker["environment"]["AMQP_URL"].as_str().unwrap();
-    assert!(url.contains("@rabbitmq:5672"), "worker must reach the rabbitmq service: {url}");
+    assert!(
+        url.contains("@rabbitmq:5672"),
+        "worker must reach the rabbitmq service: {url}"
+    );
     assert_eq!(
         worker["depends_on"]["rabbitmq"]["condition"].as_str(),
         Some("service_healthy")
@@ -64,9 +70,17 @@ fn kubernetes_deployment_has_probes_grace_limits_and_env() {
     let spec = &doc["spec"]["template"]["spec"];
     let container = &spec["containers"][0];
 
-    assert_eq!(container["livenessProbe"]["httpGet"]["path"].as_str(), Some("/livez"));
-    assert_eq!(container["readinessProbe"]["httpGet"]["path"].as_str(), Some("/readyz"));
-    assert!(container["resources"]["limits"]["memory"].as_str().is_some());
+    assert_eq!(
+        container["livenessProbe"]["httpGet"]["path"].as_str(),
+        Some("/livez")
+    );
+    assert_eq!(
+        container["readinessProbe"]["httpGet"]["path"].as_str(),
+        Some("/readyz")
+    );
+    assert!(container["resources"]["limits"]["memory"]
+        .as_str()
+        .is_some());
     assert!(container["resources"]["limits"]["cpu"].as_str().is_some());
 
     let names = env_names(container);
@@ -78,7 +92,10 @@ fn kubernetes_deployment_has_probes_grace_limits_and_env() {
         "REDELIVER_GRACE_PERIOD_SECS",
         "RUST_LOG",
     ] {
-        assert!(names.iter().any(|n| n == required), "missing env {required}");
+        assert!(
+            names.iter().any(|n| n == required),
+            "missing env {required}"
+        );
     }
 
     // The kubelet's SIGKILL must come after the worker's own grace period ends.
@@ -90,7 +107,12 @@ fn kubernetes_deployment_has_probes_grace_limits_and_env() {
         .and_then(|e| e["value"].as_str())
         .and_then(|v| v.parse().ok())
         .expect("grace period value");
-    let termination = spec["terminationGracePeriodSeconds"].as_u64().expect("grace");
+    let termination = spec["terminationGracePeriodSeconds"]
+        .as_u64()
+        .expect("grace");
     assert!(termination > grace, "{termination} <= {grace}");
-    assert_eq!(spec["securityContext"]["runAsNonRoot"].as_bool(), Some(true));
+    assert_eq!(
+        spec["securityContext"]["runAsNonRoot"].as_bool(),
+        Some(true)
+    );
 }

@@ -1,0 +1,220 @@
+//! The `image_processing` example's demo runs to completion against the local broker and its
+//! summary adds up.
+//!
+//! The example's source is compiled into this test (`#[path]`), so the test needs no prebuilt
+//! binary and runs the very code `cargo run --example image_processing -- --demo` runs. The
+//! binary itself (exit codes, the no-broker message) is checked too when `cargo test` built it
+//! next to this test, as `cargo test --workspace` does.
+
+mod support;
+
+#[allow(dead_code)]
+#[path = "../examples/image_processing.rs"]
+mod image_processing;
+
+use std::path::PathBuf;
+use std::process::Command;
+use std::time::Duration;
+
+use clap::Parser;
+use image_processing::{Args, ImageJob};
+use redeliver::worker::config::Config;
+
+fn config(url: &str) -> Config {
+    Config::from_lookup(|name| (name == "AMQP_URL").then(|| url.to_owned())).expect("config")
+}
+
+fn demo_args(extra: &[&str]) -> Args {
+    let mut argv = vec!["image_processing", "--demo"];
+    argv.extend_from_slice(extra);
+    Args::try_parse_from(argv).expect("demo arguments")
+}
+
+#[tokio::test]
+async fn demo_runs_to_completion_and_adds_up() {
+    let args = demo_args(&["--count", "40", "--poison", "4", "--seed", "7"]);
+    let cfg = config(&support::amqp_url());
+    let summary = match image_processing::run_demo(&args, &cfg).await {
+        Ok(s) => s,
+        Err(e) => panic!("the demo failed: {e:#}\n{}", support::START_BROKER),
+    };
+    println!("{}", summary.render());
+
+    assert_eq!(summary.published(), 44);
+    assert!(summary.adds_up(), "{summary:#?}");
+    assert_eq!(summary.processed + summary.dead_lettered, 44);
+    assert_eq!(
+        summary.dead_lettered_poison, 4,
+        "every malformed body in the DLQ"
+    );
+    // The failures are seeded: what happened is what the seed predicts, exactly.
+    assert_eq!(summary.processed, summary.expected_processed);
+    assert_eq!(summary.retried, summary.expected_retried);
+    assert_eq!(
+        summary.dead_lettered_exhausted,
+        40 - summary.expected_processed
+    );
+    assert_eq!(summary.handler_calls, 40 + summary.retried);
+    // About half fail on each attempt: there are retries, and they are spread over attempts.
+    assert!(summary.retried > 10, "{summary:#?}");
+    assert_eq!(
+        summary.delays.iter().map(|d| d.deliveries).sum::<u32>(),
+        summary.retried
+    );
+    for d in &summary.delays {
+        // Full jitter below min(cap, base * 2^(attempt-1)).
+        let bound = Duration::from_millis((100u64 << (d.attempt - 1)).min(1000));
+        assert!(
+            d.scheduled[2] <= bound,
+            "attempt {}: {:?} > {bound:?}",
+            d.attempt,
+            d.scheduled
+        );
+        assert!(d.scheduled[0] <= d.scheduled[1] && d.scheduled[1] <= d.scheduled[2]);
+        // A copy cannot arrive before its delay: each observed delay is at least its scheduled
+        // one, so the minimum and the mean are too (a few ms of clock slack).
+        let slack = Duration::from_millis(5);
+        assert!(
+            d.observed[0] + slack >= d.scheduled[0],
+            "attempt {}: {d:?}",
+            d.attempt
+        );
+        assert!(
+            d.observed[1] + slack >= d.scheduled[1],
+            "attempt {}: {d:?}",
+            d.attempt
+        );
+    }
+    assert!(
+        summary.elapsed < Duration::from_secs(20),
+        "{:?}",
+        summary.elapsed
+    );
+    let rendered = summary.render();
+    for word in ["processed", "retried", "dead-lettered", "adds up"] {
+        assert!(rendered.contains(word), "{rendered}");
+    }
+}
+
+#[test]
+fn simulated_failures_are_seeded_and_about_half() {
+    let job = |id| ImageJob {
+        id,
+        url: String::new(),
+        width: 1,
+        fail_rate: 0.5,
+        seed: 42,
+    };
+    let fails = (0..2000)
+        .filter(|&id| image_processing::fetch_fails(&job(id), 0))
+        .count();
+    assert!((850..1150).contains(&fails), "{fails} of 2000 failed");
+    // Reproducible, and independent across attempts.
+    assert_eq!(
+        image_processing::fetch_fails(&job(5), 1),
+        image_processing::fetch_fails(&job(5), 1)
+    );
+    let differs = (0..200).any(|id| {
+        image_processing::fetch_fails(&job(id), 0) != image_processing::fetch_fails(&job(id), 1)
+    });
+    assert!(differs);
+    let never = ImageJob {
+        fail_rate: 0.0,
+        ..job(1)
+    };
+    assert_eq!(
+        image_processing::failures_before_success(&never, 3),
+        Some(0)
+    );
+    let always = ImageJob {
+        fail_rate: 1.0,
+        ..job(1)
+    };
+    assert_eq!(image_processing::failures_before_success(&always, 3), None);
+}
+
+#[tokio::test]
+async fn without_a_broker_the_demo_says_how_to_start_one() {
+    let port = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+        l.local_addr().expect("addr").port()
+    };
+    let cfg = config(&format!("amqp://guest:secret@127.0.0.1:{port}/%2f"));
+    let err = image_processing::run_demo(&demo_args(&[]), &cfg)
+        .await
+        .expect_err("no broker on that port");
+    let text = format!("{err:#}");
+    assert!(text.contains("rabbitmq-server -detached"), "{text}");
+    assert!(
+        text.contains("docker compose -f compose/docker-compose.yml up rabbitmq"),
+        "{text}"
+    );
+    assert!(
+        !text.contains("secret"),
+        "the password must not be printed: {text}"
+    );
+}
+
+/// `target/<profile>/examples/image_processing`, next to this test's own `deps/` directory.
+fn example_binary() -> Option<PathBuf> {
+    let exe = std::env::current_exe().ok()?;
+    let profile_dir = exe.parent()?.parent()?;
+    let bin = profile_dir
+        .join("examples")
+        .join(format!("image_processing{}", std::env::consts::EXE_SUFFIX));
+    let source = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("examples/image_processing.rs");
+    let fresh = |p: &PathBuf| -> Option<bool> {
+        Some(p.metadata().ok()?.modified().ok()? >= source.metadata().ok()?.modified().ok()?)
+    };
+    match fresh(&bin) {
+        Some(true) => Some(bin),
+        _ => {
+            // `cargo test --test demo` builds only this test; `cargo test --workspace` builds
+            // the examples too. The in-process tests above cover the demo either way.
+            eprintln!(
+                "note: {} missing or older than its source; binary checks not run (use `cargo test --workspace`)",
+                bin.display()
+            );
+            None
+        }
+    }
+}
+
+#[test]
+fn the_example_binary_exits_0_on_a_demo_and_1_without_a_broker() {
+    let Some(bin) = example_binary() else {
+        return;
+    };
+    let out = Command::new(&bin)
+        .args(["--demo", "--count", "20", "--poison", "2"])
+        .env("AMQP_URL", support::amqp_url())
+        .env("RUST_LOG", "warn")
+        .output()
+        .expect("run the example");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.success(),
+        "demo failed ({}):\n{stdout}\n{stderr}\n{}",
+        out.status,
+        support::START_BROKER
+    );
+    assert!(stdout.contains("adds up"), "{stdout}");
+    assert!(stdout.contains("published"), "{stdout}");
+
+    let port = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+        l.local_addr().expect("addr").port()
+    };
+    let out = Command::new(&bin)
+        .arg("--demo")
+        .env(
+            "AMQP_URL",
+            format!("amqp://guest:guest@127.0.0.1:{port}/%2f"),
+        )
+        .output()
+        .expect("run the example");
+    assert_eq!(out.status.code(), Some(1));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("rabbitmq-server -detached"), "{stderr}");
+}
