@@ -1,191 +1,24 @@
-//! Helpers shared by the root integration tests that need a broker: connection (failing with
-//! instructions, never skipping), unique names and their cleanup, the management API, a small
-//! HTTP client for the health endpoints and a Prometheus text parser.
+//! Helpers shared by the root integration tests that need a broker: a small HTTP client for the
+//! health endpoints and a Prometheus text parser. Connection (failing with instructions, never
+//! skipping), unique names and their cleanup and the management API come from
+//! `redeliver-testkit`, re-exported here.
 #![allow(dead_code)]
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
-use redeliver::lapin::options::QueueDeclareOptions;
-use redeliver::lapin::types::FieldTable;
-use redeliver::lapin::{Connection, ConnectionProperties};
-
-pub fn amqp_url() -> String {
-    std::env::var("AMQP_URL").unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into())
-}
-
-pub fn mgmt_url() -> String {
-    std::env::var("RABBITMQ_MGMT_URL").unwrap_or_else(|_| "http://127.0.0.1:15672".into())
-}
-
-pub const START_BROKER: &str = "These tests need a real RabbitMQ broker with the management plugin: \
-     start one with `rabbitmq-server -detached` (then `rabbitmq-plugins enable rabbitmq_management`) \
-     or `docker compose -f compose/docker-compose.yml up rabbitmq`, or set AMQP_URL / RABBITMQ_MGMT_URL.";
-
-/// Connects or panics with instructions: a broker test never skips.
-pub async fn connect() -> Connection {
-    let url = amqp_url();
-    match Connection::connect(&url, ConnectionProperties::default()).await {
-        Ok(c) => c,
-        Err(e) => panic!("cannot connect to RabbitMQ at {url}: {e}\n{START_BROKER}"),
-    }
-}
+#[allow(unused_imports)] // each test file uses a different subset
+pub use redeliver_testkit::mgmt::{
+    blocking as mgmt, connections_named, delete_prefix as cleanup_prefix, kill_connections,
+    leftovers, url as mgmt_url,
+};
+#[allow(unused_imports)] // each test file uses a different subset
+pub use redeliver_testkit::{amqp_url, connect, ready_count, Cleanup, START_BROKER};
 
 /// A unique prefix for every object of one test (delay levels included).
 pub fn prefix(test: &str) -> String {
-    let id = uuid::Uuid::new_v4().simple().to_string();
-    format!("rdt-{test}-{}.", &id[..8])
-}
-
-fn base64(input: &[u8]) -> String {
-    const T: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
-    let mut out = String::new();
-    for chunk in input.chunks(3) {
-        let b = [
-            chunk[0],
-            *chunk.get(1).unwrap_or(&0),
-            *chunk.get(2).unwrap_or(&0),
-        ];
-        let n = (u32::from(b[0]) << 16) | (u32::from(b[1]) << 8) | u32::from(b[2]);
-        for i in 0..4 {
-            if i <= chunk.len() {
-                out.push(T[((n >> (18 - 6 * i)) & 63) as usize] as char);
-            } else {
-                out.push('=');
-            }
-        }
-    }
-    out
-}
-
-fn mgmt_auth() -> String {
-    let user = std::env::var("RABBITMQ_MGMT_USER").unwrap_or_else(|_| "guest".into());
-    let pass = std::env::var("RABBITMQ_MGMT_PASSWORD").unwrap_or_else(|_| "guest".into());
-    format!("Basic {}", base64(format!("{user}:{pass}").as_bytes()))
-}
-
-fn pct(s: &str) -> String {
-    let mut out = String::new();
-    for b in s.bytes() {
-        if b.is_ascii_alphanumeric() || b"-._~".contains(&b) {
-            out.push(b as char);
-        } else {
-            out.push_str(&format!("%{b:02X}"));
-        }
-    }
-    out
-}
-
-/// Blocking management API GET (call from `spawn_blocking` or [`mgmt`]).
-fn mgmt_get(path: &str) -> Result<serde_json::Value, String> {
-    let url = format!("{}{}", mgmt_url(), path);
-    let mut resp = ureq::get(&url)
-        .header("Authorization", &mgmt_auth())
-        .call()
-        .map_err(|e| format!("management API {url}: {e}\n{START_BROKER}"))?;
-    resp.body_mut()
-        .read_json::<serde_json::Value>()
-        .map_err(|e| e.to_string())
-}
-
-fn mgmt_delete(path: &str) -> Result<(), String> {
-    let url = format!("{}{}", mgmt_url(), path);
-    ureq::delete(&url)
-        .header("Authorization", &mgmt_auth())
-        .call()
-        .map(|_| ())
-        .map_err(|e| format!("DELETE {url}: {e}"))
-}
-
-/// Runs blocking management calls off the runtime's threads.
-pub async fn mgmt<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> T {
-    tokio::task::spawn_blocking(f).await.expect("blocking task")
-}
-
-/// Management names of the connections whose client property `connection_name` is `name`.
-pub fn connections_named(name: &str) -> Vec<String> {
-    let list = mgmt_get("/api/connections?columns=name,client_properties")
-        .unwrap_or_else(|e| panic!("{e}"));
-    list.as_array()
-        .into_iter()
-        .flatten()
-        .filter(|c| c["client_properties"]["connection_name"].as_str() == Some(name))
-        .filter_map(|c| c["name"].as_str().map(str::to_owned))
-        .collect()
-}
-
-/// Force-closes (as an operator or the broker would) every connection named `name`.
-pub fn kill_connections(name: &str) -> usize {
-    let conns = connections_named(name);
-    for c in &conns {
-        mgmt_delete(&format!("/api/connections/{}", pct(c))).unwrap_or_else(|e| panic!("{e}"));
-    }
-    conns.len()
-}
-
-/// Deletes every queue and exchange of the default vhost whose name starts with `prefix`.
-pub fn cleanup_prefix(prefix: &str) {
-    for kind in ["queues", "exchanges"] {
-        let list = match mgmt_get(&format!("/api/{kind}/%2f?columns=name")) {
-            Ok(l) => l,
-            Err(e) => {
-                eprintln!("cleanup of {prefix}: {e}");
-                return;
-            }
-        };
-        for item in list.as_array().into_iter().flatten() {
-            if let Some(name) = item["name"].as_str() {
-                if name.starts_with(prefix) {
-                    let _ = mgmt_delete(&format!("/api/{kind}/%2f/{}", pct(name)));
-                }
-            }
-        }
-    }
-}
-
-/// Names of the queues and exchanges left with this prefix.
-pub fn leftovers(prefix: &str) -> Vec<String> {
-    let mut left = Vec::new();
-    for kind in ["queues", "exchanges"] {
-        let list =
-            mgmt_get(&format!("/api/{kind}/%2f?columns=name")).unwrap_or_else(|e| panic!("{e}"));
-        for item in list.as_array().into_iter().flatten() {
-            if let Some(name) = item["name"].as_str() {
-                if name.starts_with(prefix) {
-                    left.push(format!("{kind}/{name}"));
-                }
-            }
-        }
-    }
-    left
-}
-
-/// Deletes the prefix's objects when dropped, even when the test panics.
-pub struct Cleanup(pub String);
-
-impl Drop for Cleanup {
-    fn drop(&mut self) {
-        cleanup_prefix(&self.0);
-    }
-}
-
-/// Ready messages in `queue` right now (passive declare, no statistics lag).
-pub async fn ready_count(conn: &Connection, queue: &str) -> u32 {
-    let ch = conn.create_channel().await.expect("channel");
-    let q = ch
-        .queue_declare(
-            queue.into(),
-            QueueDeclareOptions {
-                passive: true,
-                ..Default::default()
-            },
-            FieldTable::default(),
-        )
-        .await
-        .unwrap_or_else(|e| panic!("passive declare of {queue}: {e}"));
-    let _ = ch.close(200, "ok".into()).await;
-    q.message_count()
+    redeliver_testkit::unique_prefix(&format!("rdt-{test}-"), 8, ".")
 }
 
 /// `GET http://{addr}{path}`: (status, body). 503 is an answer here, not an error.

@@ -1,34 +1,20 @@
-//! Helpers shared by the broker tests.
+//! Helpers shared by the broker tests; the broker-facing ones come from `redeliver-testkit`.
 #![allow(dead_code)]
 
 use futures::FutureExt;
-use redeliver_amqp::lapin::message::Delivery;
-use redeliver_amqp::lapin::options::{BasicConsumeOptions, BasicGetOptions};
+use redeliver_amqp::lapin::options::BasicConsumeOptions;
 use redeliver_amqp::lapin::types::FieldTable;
-use redeliver_amqp::lapin::{Channel, Connection, ConnectionProperties, Consumer};
+use redeliver_amqp::lapin::{Channel, Consumer};
 use std::future::Future;
 use std::panic::AssertUnwindSafe;
-use std::time::{Duration, Instant};
 
-pub fn url() -> String {
-    std::env::var("AMQP_URL").unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into())
-}
+/// `get(ch, queue, timeout)`: polls `queue` with basic.get until a message arrives or the timeout.
+#[allow(unused_imports)] // each test file uses a different subset
+pub use redeliver_testkit::{connect, poll_get as get};
 
-/// Connects to the test broker; panics (never skips) with instructions when it is down.
-pub async fn connect() -> Connection {
-    let url = url();
-    match Connection::connect(&url, ConnectionProperties::default()).await {
-        Ok(c) => c,
-        Err(e) => panic!(
-            "cannot connect to RabbitMQ at {url}: {e}. These tests need a real broker: start one \
-             with `rabbitmq-server -detached` (or set AMQP_URL to a reachable broker)"
-        ),
-    }
-}
-
-/// A unique prefix for every object a test declares.
+/// A unique prefix for every object a test declares, such as "t3f9a0c1b2d4e.".
 pub fn prefix() -> String {
-    format!("t{}.", &uuid::Uuid::new_v4().simple().to_string()[..12])
+    redeliver_testkit::unique_prefix("t", 12, ".")
 }
 
 /// Runs `body`, then `cleanup` whether or not `body` panicked, then re-raises the panic.
@@ -53,22 +39,4 @@ pub async fn consume(ch: &Channel, queue: &str) -> Consumer {
     )
     .await
     .expect("basic_consume")
-}
-
-/// Polls `queue` with basic.get until a message arrives or `timeout` passes.
-pub async fn get(ch: &Channel, queue: &str, timeout: Duration) -> Option<Delivery> {
-    let deadline = Instant::now() + timeout;
-    loop {
-        if let Some(m) = ch
-            .basic_get(queue.into(), BasicGetOptions { no_ack: false })
-            .await
-            .expect("basic_get")
-        {
-            return Some(m.delivery);
-        }
-        if Instant::now() >= deadline {
-            return None;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
 }

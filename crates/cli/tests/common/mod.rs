@@ -1,46 +1,34 @@
 //! Shared helpers of the CLI's integration tests: run the real binary against the real broker.
 //!
 //! Every test uses its own random prefix for every object (delay levels included) and deletes
-//! them through [`Cleanup`], which runs even when the test panics.
+//! them through [`Cleanup`], which runs even when the test panics. Connection, counting and
+//! draining come from `redeliver-testkit`.
 
 #![allow(dead_code)] // each test file uses a different subset
 
 use std::process::Command;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use futures::StreamExt as _;
 use lapin::options::{
-    BasicAckOptions, BasicConsumeOptions, BasicGetOptions, BasicPublishOptions, BasicQosOptions,
-    BasicRejectOptions, ConfirmSelectOptions, QueueDeclareOptions,
+    BasicConsumeOptions, BasicPublishOptions, BasicQosOptions, BasicRejectOptions,
+    ConfirmSelectOptions,
 };
 use lapin::types::{AMQPValue, FieldTable};
-use lapin::{BasicProperties, Connection, ConnectionProperties};
+use lapin::{BasicProperties, Connection};
 
-pub const DEFAULT_URL: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
+#[allow(unused_imports)] // each test file uses a different subset
+pub use redeliver_testkit::{
+    amqp_url, connect, drain, message_id, ready_count as count, wait_count,
+    DEFAULT_AMQP_URL as DEFAULT_URL,
+};
+
 /// Delay levels used by the tests: enough for their delays, and far fewer objects to declare.
 pub const LEVELS: u8 = 10;
 
-pub fn amqp_url() -> String {
-    std::env::var("AMQP_URL").unwrap_or_else(|_| DEFAULT_URL.to_owned())
-}
-
-/// Connects or fails the test with instructions (never skips).
-pub async fn connect() -> Connection {
-    let url = amqp_url();
-    match Connection::connect(&url, ConnectionProperties::default()).await {
-        Ok(c) => c,
-        Err(e) => panic!(
-            "cannot reach RabbitMQ at AMQP_URL (default {DEFAULT_URL}): {e}. These tests need a \
-             real broker: start one with `rabbitmq-server -detached` (or `docker compose -f \
-             compose/docker-compose.yml up -d rabbitmq`) and set AMQP_URL if it is not local"
-        ),
-    }
-}
-
 /// A fresh prefix such as "t3f9a0c1b2d4e-".
 pub fn prefix() -> String {
-    let id = uuid::Uuid::new_v4().simple().to_string();
-    format!("t{}-", &id[..12])
+    redeliver_testkit::unique_prefix("t", 12, "-")
 }
 
 /// What one run of the binary printed.
@@ -174,60 +162,6 @@ pub fn user_headers() -> FieldTable {
     h
 }
 
-/// Ready messages in `queue` (panics if it does not exist).
-pub async fn count(conn: &Connection, queue: &str) -> u32 {
-    let ch = conn.create_channel().await.unwrap();
-    let q = ch
-        .queue_declare(
-            queue.into(),
-            QueueDeclareOptions {
-                passive: true,
-                ..QueueDeclareOptions::default()
-            },
-            FieldTable::default(),
-        )
-        .await
-        .unwrap_or_else(|e| panic!("queue {queue}: {e}"));
-    let _ = ch.close(200, "ok".into()).await;
-    q.message_count()
-}
-
-/// Waits until `queue` holds `n` ready messages.
-pub async fn wait_count(conn: &Connection, queue: &str, n: u32, within: Duration) {
-    let start = Instant::now();
-    loop {
-        let c = count(conn, queue).await;
-        if c == n {
-            return;
-        }
-        assert!(
-            start.elapsed() < within,
-            "{queue} holds {c} messages, expected {n} within {within:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-}
-
-/// Takes every message of `queue` for good (basic.get + ack), in queue order.
-pub async fn drain(conn: &Connection, queue: &str) -> Vec<lapin::message::BasicGetMessage> {
-    let ch = conn.create_channel().await.unwrap();
-    let mut out = Vec::new();
-    while let Some(m) = ch
-        .basic_get(queue.into(), BasicGetOptions { no_ack: false })
-        .await
-        .unwrap()
-    {
-        m.delivery
-            .acker
-            .ack(BasicAckOptions::default())
-            .await
-            .unwrap();
-        out.push(m);
-    }
-    let _ = ch.close(200, "ok".into()).await;
-    out
-}
-
 /// Consumes `n` messages of `queue` and rejects each (requeue = false) in delivery order, so
 /// the broker dead-letters them into the DLQ in that same order.
 pub async fn reject_all(conn: &Connection, queue: &str, n: usize) {
@@ -256,14 +190,6 @@ pub async fn reject_all(conn: &Connection, queue: &str, n: usize) {
             .unwrap();
     }
     ch.close(200, "ok".into()).await.unwrap();
-}
-
-pub fn message_id(props: &BasicProperties) -> String {
-    props
-        .message_id()
-        .as_ref()
-        .map(|m| m.to_string())
-        .unwrap_or_default()
 }
 
 /// Parses `dlq list --json` output and returns the message ids in order.

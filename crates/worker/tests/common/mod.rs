@@ -1,67 +1,23 @@
-//! Shared helpers for the worker's broker tests: connection, unique names, publishing, DLQ
-//! reading and the management API (for unacked counts and killing connections).
+//! Shared helpers for the worker's broker tests: unique names and their topologies, publishing
+//! and DLQ reading. Connection, management API and polling come from `redeliver-testkit`.
 #![allow(dead_code)]
 
 use std::collections::HashMap;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use futures::future::join_all;
-use redeliver_worker::lapin::options::{
-    BasicAckOptions, BasicGetOptions, BasicPublishOptions, ConfirmSelectOptions,
-    QueueDeclareOptions,
-};
-use redeliver_worker::lapin::types::{AMQPValue, FieldTable};
-use redeliver_worker::lapin::{BasicProperties, Connection, ConnectionProperties};
+use redeliver_worker::lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
+use redeliver_worker::lapin::types::AMQPValue;
+use redeliver_worker::lapin::{BasicProperties, Connection};
 use redeliver_worker::{DelayConfig, QueueType, Topology};
 
-pub fn amqp_url() -> String {
-    std::env::var("AMQP_URL").unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into())
-}
-
-pub fn mgmt_url() -> String {
-    std::env::var("RABBITMQ_MGMT_URL").unwrap_or_else(|_| "http://127.0.0.1:15672".into())
-}
-
-fn mgmt_auth() -> String {
-    let user = std::env::var("RABBITMQ_MGMT_USER").unwrap_or_else(|_| "guest".into());
-    let pass = std::env::var("RABBITMQ_MGMT_PASSWORD").unwrap_or_else(|_| "guest".into());
-    format!("Basic {}", base64(format!("{user}:{pass}").as_bytes()))
-}
-
-fn base64(input: &[u8]) -> String {
-    const T: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
-    let mut out = String::new();
-    for chunk in input.chunks(3) {
-        let b = [
-            chunk[0],
-            *chunk.get(1).unwrap_or(&0),
-            *chunk.get(2).unwrap_or(&0),
-        ];
-        let n = (u32::from(b[0]) << 16) | (u32::from(b[1]) << 8) | u32::from(b[2]);
-        for i in 0..4 {
-            if i <= chunk.len() {
-                out.push(T[((n >> (18 - 6 * i)) & 63) as usize] as char);
-            } else {
-                out.push('=');
-            }
-        }
-    }
-    out
-}
-
-/// Connects or panics with instructions: a broker test never skips.
-pub async fn connect() -> Connection {
-    let url = amqp_url();
-    match Connection::connect(&url, ConnectionProperties::default()).await {
-        Ok(c) => c,
-        Err(e) => panic!(
-            "cannot connect to RabbitMQ at {url}: {e}\n\
-             These tests need a real broker. Start one with `rabbitmq-server -detached` \
-             (management plugin enabled: `rabbitmq-plugins enable rabbitmq_management`), \
-             or set AMQP_URL."
-        ),
-    }
-}
+#[allow(unused_imports)] // each test file uses a different subset
+pub use redeliver_testkit::mgmt::{
+    connection_unacked, connections_named, delete_prefix as cleanup_prefix, kill_connections,
+    prefix_stats, queue_stats, url as mgmt_url, wait_for_connection, QueueStats,
+};
+#[allow(unused_imports)] // each test file uses a different subset
+pub use redeliver_testkit::{amqp_url, connect, eventually, ready_count};
 
 /// A unique prefix for every object of one test, and removal of all of them on drop (even when
 /// the test panics), through the management API.
@@ -71,9 +27,8 @@ pub struct Names {
 
 impl Names {
     pub fn new(test: &str) -> Self {
-        let id = uuid::Uuid::new_v4().simple().to_string();
         Self {
-            prefix: format!("rdw-{test}-{}-", &id[..8]),
+            prefix: redeliver_testkit::unique_prefix(&format!("rdw-{test}-"), 8, "-"),
         }
     }
 
@@ -98,174 +53,6 @@ impl Names {
 impl Drop for Names {
     fn drop(&mut self) {
         cleanup_prefix(&self.prefix);
-    }
-}
-
-fn mgmt_get(path: &str) -> Result<serde_json::Value, String> {
-    let url = format!("{}{}", mgmt_url(), path);
-    let mut resp = ureq::get(&url)
-        .header("Authorization", &mgmt_auth())
-        .call()
-        .map_err(|e| {
-            format!(
-                "management API {url}: {e} (enable it with `rabbitmq-plugins enable rabbitmq_management`)"
-            )
-        })?;
-    resp.body_mut()
-        .read_json::<serde_json::Value>()
-        .map_err(|e| e.to_string())
-}
-
-fn mgmt_delete(path: &str) -> Result<(), String> {
-    let url = format!("{}{}", mgmt_url(), path);
-    ureq::delete(&url)
-        .header("Authorization", &mgmt_auth())
-        .call()
-        .map(|_| ())
-        .map_err(|e| format!("DELETE {url}: {e}"))
-}
-
-fn pct(s: &str) -> String {
-    let mut out = String::new();
-    for b in s.bytes() {
-        if b.is_ascii_alphanumeric() || b"-._~".contains(&b) {
-            out.push(b as char);
-        } else {
-            out.push_str(&format!("%{b:02X}"));
-        }
-    }
-    out
-}
-
-/// Deletes every queue and exchange of the default vhost whose name starts with `prefix`.
-pub fn cleanup_prefix(prefix: &str) {
-    for kind in ["queues", "exchanges"] {
-        let Ok(list) = mgmt_get(&format!("/api/{kind}/%2f?columns=name")) else {
-            eprintln!("cleanup of {prefix}: management API unreachable");
-            return;
-        };
-        for item in list.as_array().into_iter().flatten() {
-            if let Some(name) = item["name"].as_str() {
-                if name.starts_with(prefix) {
-                    let _ = mgmt_delete(&format!("/api/{kind}/%2f/{}", pct(name)));
-                }
-            }
-        }
-    }
-}
-
-/// Queue counters from the management API (they lag the broker by its statistics interval).
-#[derive(Debug, Clone, Copy, Default)]
-pub struct QueueStats {
-    pub messages: u64,
-    pub ready: u64,
-    pub unacked: u64,
-}
-
-pub fn queue_stats(name: &str) -> QueueStats {
-    let v = mgmt_get(&format!("/api/queues/%2f/{}", pct(name))).unwrap_or_else(|e| panic!("{e}"));
-    QueueStats {
-        messages: v["messages"].as_u64().unwrap_or(0),
-        ready: v["messages_ready"].as_u64().unwrap_or(0),
-        unacked: v["messages_unacknowledged"].as_u64().unwrap_or(0),
-    }
-}
-
-/// Sum of `messages` over queues whose name starts with `prefix`, and the per-queue unacked sum.
-pub fn prefix_stats(prefix: &str) -> QueueStats {
-    let list =
-        mgmt_get("/api/queues/%2f?columns=name,messages,messages_ready,messages_unacknowledged")
-            .unwrap_or_else(|e| panic!("{e}"));
-    let mut s = QueueStats::default();
-    for q in list.as_array().into_iter().flatten() {
-        if q["name"].as_str().is_some_and(|n| n.starts_with(prefix)) {
-            s.messages += q["messages"].as_u64().unwrap_or(0);
-            s.ready += q["messages_ready"].as_u64().unwrap_or(0);
-            s.unacked += q["messages_unacknowledged"].as_u64().unwrap_or(0);
-        }
-    }
-    s
-}
-
-/// Management names of the connections with client property `connection_name == name`.
-pub fn connections_named(name: &str) -> Vec<String> {
-    let list = mgmt_get("/api/connections?columns=name,client_properties")
-        .unwrap_or_else(|e| panic!("{e}"));
-    list.as_array()
-        .into_iter()
-        .flatten()
-        .filter(|c| c["client_properties"]["connection_name"].as_str() == Some(name))
-        .filter_map(|c| c["name"].as_str().map(str::to_owned))
-        .collect()
-}
-
-/// Unacked messages held by the channels of the connections named `name`.
-pub fn connection_unacked(name: &str) -> u64 {
-    let conns = connections_named(name);
-    let list = mgmt_get("/api/channels?columns=connection_details,messages_unacknowledged")
-        .unwrap_or_else(|e| panic!("{e}"));
-    list.as_array()
-        .into_iter()
-        .flatten()
-        .filter(|c| {
-            c["connection_details"]["name"]
-                .as_str()
-                .is_some_and(|n| conns.iter().any(|x| x == n))
-        })
-        .map(|c| c["messages_unacknowledged"].as_u64().unwrap_or(0))
-        .sum()
-}
-
-/// Force-closes (as the broker would) every connection named `name`; returns how many.
-pub fn kill_connections(name: &str) -> usize {
-    let conns = connections_named(name);
-    for c in &conns {
-        mgmt_delete(&format!("/api/connections/{}", pct(c))).unwrap_or_else(|e| panic!("{e}"));
-    }
-    conns.len()
-}
-
-/// Waits until the management API lists a connection named `name`.
-pub fn wait_for_connection(name: &str, timeout: Duration) -> bool {
-    let start = Instant::now();
-    while start.elapsed() < timeout {
-        if !connections_named(name).is_empty() {
-            return true;
-        }
-        std::thread::sleep(Duration::from_millis(200));
-    }
-    false
-}
-
-/// Ready messages in `queue`, right now (passive declare, no statistics lag).
-pub async fn ready_count(conn: &Connection, queue: &str) -> u32 {
-    let ch = conn.create_channel().await.unwrap();
-    let q = ch
-        .queue_declare(
-            queue.into(),
-            QueueDeclareOptions {
-                passive: true,
-                ..Default::default()
-            },
-            FieldTable::default(),
-        )
-        .await
-        .unwrap_or_else(|e| panic!("passive declare of {queue}: {e}"));
-    let _ = ch.close(200, "ok".into()).await;
-    q.message_count()
-}
-
-/// Polls `f` until it returns true or `timeout` passes.
-pub async fn eventually(timeout: Duration, mut f: impl FnMut() -> bool) -> bool {
-    let start = Instant::now();
-    loop {
-        if f() {
-            return true;
-        }
-        if start.elapsed() > timeout {
-            return false;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
 
@@ -326,11 +113,7 @@ pub struct Got {
 
 impl Got {
     pub fn message_id(&self) -> String {
-        self.properties
-            .message_id()
-            .as_ref()
-            .map(|s| s.to_string())
-            .unwrap_or_default()
+        redeliver_testkit::message_id(&self.properties)
     }
 
     pub fn header(&self, name: &str) -> Option<&AMQPValue> {
@@ -358,21 +141,14 @@ impl Got {
 
 /// Takes (and acks) every message currently in `queue`.
 pub async fn drain_queue(conn: &Connection, queue: &str) -> Vec<Got> {
-    let ch = conn.create_channel().await.unwrap();
-    let mut out = Vec::new();
-    while let Some(m) = ch
-        .basic_get(queue.into(), BasicGetOptions::default())
+    redeliver_testkit::drain(conn, queue)
         .await
-        .unwrap_or_else(|e| panic!("basic.get from {queue}: {e}"))
-    {
-        m.delivery.ack(BasicAckOptions::default()).await.unwrap();
-        out.push(Got {
+        .into_iter()
+        .map(|m| Got {
             body: m.delivery.data,
             properties: m.delivery.properties,
-        });
-    }
-    let _ = ch.close(200, "ok".into()).await;
-    out
+        })
+        .collect()
 }
 
 /// Shared per-message call log for handlers: message id -> (attempt seen, instant).

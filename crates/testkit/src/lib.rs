@@ -1,0 +1,171 @@
+//! Support code shared by the integration tests of the redeliver workspace.
+//!
+//! Every broker test connects to a real RabbitMQ (never skipping when it is down: [`connect`]
+//! fails the test with instructions), names its objects with a [`unique_prefix`], removes them
+//! through the management API ([`mgmt`], [`Cleanup`]) and waits for the broker with the polling
+//! helpers here, which all take an explicit timeout.
+
+#![warn(missing_docs)]
+
+use std::time::{Duration, Instant};
+
+use lapin::message::{BasicGetMessage, Delivery};
+use lapin::options::{BasicAckOptions, BasicGetOptions, QueueDeclareOptions};
+use lapin::types::FieldTable;
+use lapin::{BasicProperties, Channel, Connection, ConnectionProperties};
+
+pub mod mgmt;
+
+/// The broker the tests use when `AMQP_URL` is not set.
+pub const DEFAULT_AMQP_URL: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
+
+/// How to get a broker the tests can use; part of every "broker unreachable" failure.
+pub const START_BROKER: &str = "These tests need a real RabbitMQ broker with the management plugin: \
+     start one with `rabbitmq-server -detached` (then `rabbitmq-plugins enable rabbitmq_management`) \
+     or `docker compose -f compose/docker-compose.yml up rabbitmq`, or set AMQP_URL / RABBITMQ_MGMT_URL.";
+
+/// The test broker's URL: `AMQP_URL`, or [`DEFAULT_AMQP_URL`].
+pub fn amqp_url() -> String {
+    std::env::var("AMQP_URL").unwrap_or_else(|_| DEFAULT_AMQP_URL.to_owned())
+}
+
+/// Connects to the test broker at [`amqp_url`].
+///
+/// # Panics
+///
+/// When the broker cannot be reached, with instructions ([`START_BROKER`]): a broker test fails,
+/// it never skips.
+pub async fn connect() -> Connection {
+    let url = amqp_url();
+    match Connection::connect(&url, ConnectionProperties::default()).await {
+        Ok(c) => c,
+        Err(e) => panic!("cannot connect to RabbitMQ at {url}: {e}\n{START_BROKER}"),
+    }
+}
+
+/// `hex_len` random hex digits (at most 32), different on every call.
+pub fn unique_id(hex_len: usize) -> String {
+    let id = uuid::Uuid::new_v4().simple().to_string();
+    id[..hex_len.min(id.len())].to_owned()
+}
+
+/// A fresh name prefix `{head}{unique_id(hex_len)}{tail}`, e.g. `unique_prefix("t", 12, ".")`
+/// gives `"t3f9a0c1b2d4e."`.
+pub fn unique_prefix(head: &str, hex_len: usize, tail: &str) -> String {
+    format!("{head}{}{tail}", unique_id(hex_len))
+}
+
+/// Deletes (through [`mgmt::delete_prefix`]) every queue and exchange whose name starts with the
+/// prefix when dropped, so it also runs while a failing test unwinds.
+#[derive(Debug)]
+pub struct Cleanup(pub String);
+
+impl Drop for Cleanup {
+    fn drop(&mut self) {
+        mgmt::delete_prefix(&self.0);
+    }
+}
+
+/// Ready messages in `queue` right now (passive declare, so no statistics lag).
+///
+/// # Panics
+///
+/// When the queue does not exist or the broker fails.
+pub async fn ready_count(conn: &Connection, queue: &str) -> u32 {
+    let ch = conn.create_channel().await.expect("channel");
+    let q = ch
+        .queue_declare(
+            queue.into(),
+            QueueDeclareOptions {
+                passive: true,
+                ..Default::default()
+            },
+            FieldTable::default(),
+        )
+        .await
+        .unwrap_or_else(|e| panic!("passive declare of {queue}: {e}"));
+    let _ = ch.close(200, "ok".into()).await;
+    q.message_count()
+}
+
+/// Waits (polling every 50 ms) until `queue` holds exactly `n` ready messages.
+///
+/// # Panics
+///
+/// When it does not within `within`, naming the last count seen.
+pub async fn wait_count(conn: &Connection, queue: &str, n: u32, within: Duration) {
+    let start = Instant::now();
+    loop {
+        let c = ready_count(conn, queue).await;
+        if c == n {
+            return;
+        }
+        assert!(
+            start.elapsed() < within,
+            "{queue} holds {c} messages, expected {n} within {within:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Polls `f` (every 20 ms) until it returns true, or `timeout` passes; returns whether it did.
+pub async fn eventually(timeout: Duration, mut f: impl FnMut() -> bool) -> bool {
+    let start = Instant::now();
+    loop {
+        if f() {
+            return true;
+        }
+        if start.elapsed() > timeout {
+            return false;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Polls `queue` with basic.get (manual ack, every 20 ms) until a message arrives, or `timeout`
+/// passes.
+pub async fn poll_get(ch: &Channel, queue: &str, timeout: Duration) -> Option<Delivery> {
+    let deadline = Instant::now() + timeout;
+    loop {
+        if let Some(m) = ch
+            .basic_get(queue.into(), BasicGetOptions { no_ack: false })
+            .await
+            .expect("basic_get")
+        {
+            return Some(m.delivery);
+        }
+        if Instant::now() >= deadline {
+            return None;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Takes (basic.get + ack) every message currently in `queue`, in queue order.
+pub async fn drain(conn: &Connection, queue: &str) -> Vec<BasicGetMessage> {
+    let ch = conn.create_channel().await.expect("channel");
+    let mut out = Vec::new();
+    while let Some(m) = ch
+        .basic_get(queue.into(), BasicGetOptions { no_ack: false })
+        .await
+        .unwrap_or_else(|e| panic!("basic.get from {queue}: {e}"))
+    {
+        m.delivery
+            .acker
+            .ack(BasicAckOptions::default())
+            .await
+            .expect("ack");
+        out.push(m);
+    }
+    let _ = ch.close(200, "ok".into()).await;
+    out
+}
+
+/// The message id of `props`, or `""` when it has none.
+pub fn message_id(props: &BasicProperties) -> String {
+    props
+        .message_id()
+        .as_ref()
+        .map(|m| m.to_string())
+        .unwrap_or_default()
+}

@@ -1,0 +1,245 @@
+//! A blocking client of the RabbitMQ management API (default vhost), for what AMQP cannot tell:
+//! queue statistics, connections, and deleting objects by name prefix.
+//!
+//! Configured by `RABBITMQ_MGMT_URL` (default `http://127.0.0.1:15672`),
+//! `RABBITMQ_MGMT_USER` and `RABBITMQ_MGMT_PASSWORD` (default `guest`/`guest`). From async code,
+//! call it through [`blocking`].
+
+use std::time::{Duration, Instant};
+
+use crate::START_BROKER;
+
+/// The management API's base URL: `RABBITMQ_MGMT_URL`, or `http://127.0.0.1:15672`.
+pub fn url() -> String {
+    std::env::var("RABBITMQ_MGMT_URL").unwrap_or_else(|_| "http://127.0.0.1:15672".into())
+}
+
+fn auth() -> String {
+    let user = std::env::var("RABBITMQ_MGMT_USER").unwrap_or_else(|_| "guest".into());
+    let pass = std::env::var("RABBITMQ_MGMT_PASSWORD").unwrap_or_else(|_| "guest".into());
+    format!("Basic {}", base64(format!("{user}:{pass}").as_bytes()))
+}
+
+fn base64(input: &[u8]) -> String {
+    const T: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+    let mut out = String::new();
+    for chunk in input.chunks(3) {
+        let b = [
+            chunk[0],
+            *chunk.get(1).unwrap_or(&0),
+            *chunk.get(2).unwrap_or(&0),
+        ];
+        let n = (u32::from(b[0]) << 16) | (u32::from(b[1]) << 8) | u32::from(b[2]);
+        for i in 0..4 {
+            if i <= chunk.len() {
+                out.push(T[((n >> (18 - 6 * i)) & 63) as usize] as char);
+            } else {
+                out.push('=');
+            }
+        }
+    }
+    out
+}
+
+/// Percent-encodes one path segment (a queue, exchange or connection name).
+pub fn pct(s: &str) -> String {
+    let mut out = String::new();
+    for b in s.bytes() {
+        if b.is_ascii_alphanumeric() || b"-._~".contains(&b) {
+            out.push(b as char);
+        } else {
+            out.push_str(&format!("%{b:02X}"));
+        }
+    }
+    out
+}
+
+/// `GET {url()}{path}` as JSON; the error says how to get the API running.
+pub fn get_json(path: &str) -> Result<serde_json::Value, String> {
+    let url = format!("{}{}", url(), path);
+    let mut resp = ureq::get(&url)
+        .header("Authorization", &auth())
+        .call()
+        .map_err(|e| format!("management API {url}: {e}\n{START_BROKER}"))?;
+    resp.body_mut()
+        .read_json::<serde_json::Value>()
+        .map_err(|e| e.to_string())
+}
+
+/// `DELETE {url()}{path}`.
+pub fn delete(path: &str) -> Result<(), String> {
+    let url = format!("{}{}", url(), path);
+    ureq::delete(&url)
+        .header("Authorization", &auth())
+        .call()
+        .map(|_| ())
+        .map_err(|e| format!("DELETE {url}: {e}"))
+}
+
+/// Runs blocking management calls off the async runtime's threads.
+pub async fn blocking<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> T {
+    tokio::task::spawn_blocking(f).await.expect("blocking task")
+}
+
+fn names_with_prefix(kind: &str, prefix: &str) -> Result<Vec<String>, String> {
+    let list = get_json(&format!("/api/{kind}/%2f?columns=name"))?;
+    Ok(list
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|item| item["name"].as_str())
+        .filter(|name| name.starts_with(prefix))
+        .map(str::to_owned)
+        .collect())
+}
+
+/// Deletes every queue and exchange whose name starts with `prefix`; best effort (it runs from
+/// drop guards), so failures are only printed.
+pub fn delete_prefix(prefix: &str) {
+    for kind in ["queues", "exchanges"] {
+        let names = match names_with_prefix(kind, prefix) {
+            Ok(n) => n,
+            Err(e) => {
+                eprintln!("cleanup of {prefix}: {e}");
+                return;
+            }
+        };
+        for name in names {
+            let _ = delete(&format!("/api/{kind}/%2f/{}", pct(&name)));
+        }
+    }
+}
+
+/// The queues and exchanges left with this prefix, as `"queues/NAME"` / `"exchanges/NAME"`.
+///
+/// # Panics
+///
+/// When the management API cannot be reached.
+pub fn leftovers(prefix: &str) -> Vec<String> {
+    let mut left = Vec::new();
+    for kind in ["queues", "exchanges"] {
+        let names = names_with_prefix(kind, prefix).unwrap_or_else(|e| panic!("{e}"));
+        left.extend(names.into_iter().map(|name| format!("{kind}/{name}")));
+    }
+    left
+}
+
+/// Queue counters from the management API (they lag the broker by its statistics interval).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct QueueStats {
+    /// Ready plus unacknowledged messages.
+    pub messages: u64,
+    /// Messages ready for delivery.
+    pub ready: u64,
+    /// Messages delivered and not yet acknowledged.
+    pub unacked: u64,
+}
+
+impl QueueStats {
+    fn of(v: &serde_json::Value) -> Self {
+        Self {
+            messages: v["messages"].as_u64().unwrap_or(0),
+            ready: v["messages_ready"].as_u64().unwrap_or(0),
+            unacked: v["messages_unacknowledged"].as_u64().unwrap_or(0),
+        }
+    }
+}
+
+/// The counters of queue `name`.
+///
+/// # Panics
+///
+/// When the management API cannot be reached or has no such queue.
+pub fn queue_stats(name: &str) -> QueueStats {
+    let v = get_json(&format!("/api/queues/%2f/{}", pct(name))).unwrap_or_else(|e| panic!("{e}"));
+    QueueStats::of(&v)
+}
+
+/// The counters summed over every queue whose name starts with `prefix`.
+///
+/// # Panics
+///
+/// When the management API cannot be reached.
+pub fn prefix_stats(prefix: &str) -> QueueStats {
+    let list =
+        get_json("/api/queues/%2f?columns=name,messages,messages_ready,messages_unacknowledged")
+            .unwrap_or_else(|e| panic!("{e}"));
+    let mut s = QueueStats::default();
+    for q in list.as_array().into_iter().flatten() {
+        if q["name"].as_str().is_some_and(|n| n.starts_with(prefix)) {
+            let one = QueueStats::of(q);
+            s.messages += one.messages;
+            s.ready += one.ready;
+            s.unacked += one.unacked;
+        }
+    }
+    s
+}
+
+/// Management names of the connections whose client property `connection_name` is `name`.
+///
+/// # Panics
+///
+/// When the management API cannot be reached.
+pub fn connections_named(name: &str) -> Vec<String> {
+    let list = get_json("/api/connections?columns=name,client_properties")
+        .unwrap_or_else(|e| panic!("{e}"));
+    list.as_array()
+        .into_iter()
+        .flatten()
+        .filter(|c| c["client_properties"]["connection_name"].as_str() == Some(name))
+        .filter_map(|c| c["name"].as_str().map(str::to_owned))
+        .collect()
+}
+
+/// Unacked messages held by the channels of the connections named `name`.
+///
+/// # Panics
+///
+/// When the management API cannot be reached.
+pub fn connection_unacked(name: &str) -> u64 {
+    let conns = connections_named(name);
+    let list = get_json("/api/channels?columns=connection_details,messages_unacknowledged")
+        .unwrap_or_else(|e| panic!("{e}"));
+    list.as_array()
+        .into_iter()
+        .flatten()
+        .filter(|c| {
+            c["connection_details"]["name"]
+                .as_str()
+                .is_some_and(|n| conns.iter().any(|x| x == n))
+        })
+        .map(|c| c["messages_unacknowledged"].as_u64().unwrap_or(0))
+        .sum()
+}
+
+/// Force-closes the connection whose management name is `mgmt_name` (as the broker would).
+pub fn close_connection(mgmt_name: &str) -> Result<(), String> {
+    delete(&format!("/api/connections/{}", pct(mgmt_name)))
+}
+
+/// Force-closes every connection named `name` (client property); returns how many.
+///
+/// # Panics
+///
+/// When the management API cannot be reached or refuses a close.
+pub fn kill_connections(name: &str) -> usize {
+    let conns = connections_named(name);
+    for c in &conns {
+        close_connection(c).unwrap_or_else(|e| panic!("{e}"));
+    }
+    conns.len()
+}
+
+/// Waits (polling every 200 ms) until the management API lists a connection named `name`;
+/// returns whether it did within `timeout`.
+pub fn wait_for_connection(name: &str, timeout: Duration) -> bool {
+    let start = Instant::now();
+    while start.elapsed() < timeout {
+        if !connections_named(name).is_empty() {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    false
+}
