@@ -1,0 +1,165 @@
+//! What both consumers call for every delivery: counts, latency histogram, delay errors.
+//! One mutex, taken once per message on both sides, so it costs them the same.
+
+use std::collections::HashMap;
+use std::sync::Mutex;
+use std::time::Instant;
+
+use anyhow::{anyhow, bail, Result};
+use serde::{Deserialize, Serialize};
+use tokio::sync::oneshot;
+
+use crate::payload::{now_ns, PayloadIn};
+use crate::stats::{self, Histogram};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Kind {
+    Ok,
+    Fail,
+}
+
+impl Kind {
+    pub fn parse(s: &str) -> Result<Self> {
+        match s {
+            "ok" => Ok(Kind::Ok),
+            "fail" => Ok(Kind::Fail),
+            other => bail!("unknown RUN kind '{other}'"),
+        }
+    }
+}
+
+/// Result of one RUN, sent to the parent as JSON.
+#[derive(Serialize, Deserialize, Debug, Clone, Default)]
+pub struct RunReport {
+    pub ok: u64,
+    pub fail: u64,
+    /// Unix ns: RUN received, and the event that reached the target.
+    pub go_ns: u64,
+    pub last_ns: u64,
+    /// Publish -> handler, over the successful deliveries of this RUN, microseconds.
+    pub lat_p50_us: u64,
+    pub lat_p99_us: u64,
+    pub lat_max_us: u64,
+    /// Scenario 3: (intended delay ms, observed minus intended, microseconds).
+    pub delay_errors: Vec<(u32, i64)>,
+    /// CPU time the consumer process used during this RUN, microseconds.
+    pub cpu_us: u64,
+    pub baseline_rss_kb: u64,
+    pub rss_kb: u64,
+    pub hwm_kb: u64,
+}
+
+struct Inner {
+    kind: Kind,
+    target: u64,
+    ok: u64,
+    fail: u64,
+    go_ns: u64,
+    cpu0_us: u64,
+    hist: Histogram,
+    first_fail: HashMap<u64, Instant>,
+    delay_errors: Vec<(u32, i64)>,
+    done: Option<oneshot::Sender<u64>>,
+}
+
+pub struct Probe {
+    track_delay: bool,
+    inner: Mutex<Inner>,
+}
+
+impl Probe {
+    pub fn new(track_delay: bool) -> Self {
+        Probe {
+            track_delay,
+            inner: Mutex::new(Inner {
+                kind: Kind::Ok,
+                target: u64::MAX,
+                ok: 0,
+                fail: 0,
+                go_ns: 0,
+                cpu0_us: 0,
+                hist: Histogram::default(),
+                first_fail: HashMap::new(),
+                delay_errors: Vec::new(),
+                done: None,
+            }),
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
+        // A panic while holding this lock is a bench bug; keep counting rather than cascade.
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Starts a new RUN: the receiver fires with the Unix ns of the `target`-th event.
+    pub fn reset(&self, kind: Kind, target: u64) -> oneshot::Receiver<u64> {
+        let (tx, rx) = oneshot::channel();
+        let mut g = self.lock();
+        g.kind = kind;
+        g.target = target;
+        g.ok = 0;
+        g.fail = 0;
+        g.go_ns = now_ns();
+        g.cpu0_us = stats::cpu_us();
+        g.hist = Histogram::default();
+        g.delay_errors.clear();
+        g.done = Some(tx);
+        rx
+    }
+
+    /// A delivery handled successfully.
+    pub fn on_ok(&self, p: &PayloadIn) {
+        let now = now_ns();
+        let mut g = self.lock();
+        g.hist.record(now.saturating_sub(p.ts_ns) / 1000);
+        if self.track_delay {
+            if let (Some(ms), Some(t0)) = (p.retry_ms, g.first_fail.remove(&p.seq)) {
+                let err_us = t0.elapsed().as_micros() as i64 - i64::from(ms) * 1000;
+                g.delay_errors.push((ms, err_us));
+            }
+        }
+        g.ok += 1;
+        if g.kind == Kind::Ok && g.ok == g.target {
+            if let Some(tx) = g.done.take() {
+                let _ = tx.send(now);
+            }
+        }
+    }
+
+    /// A first delivery the handler fails into a retry.
+    pub fn on_fail(&self, p: &PayloadIn) {
+        let now = now_ns();
+        let mut g = self.lock();
+        if self.track_delay {
+            g.first_fail.insert(p.seq, Instant::now());
+        }
+        g.fail += 1;
+        if g.kind == Kind::Fail && g.fail == g.target {
+            if let Some(tx) = g.done.take() {
+                let _ = tx.send(now);
+            }
+        }
+    }
+
+    pub fn report(&self, last_ns: u64, baseline_rss_kb: u64) -> Result<RunReport> {
+        let mem = stats::mem(None)?;
+        let g = self.lock();
+        if g.go_ns == 0 {
+            return Err(anyhow!("report before any RUN"));
+        }
+        Ok(RunReport {
+            ok: g.ok,
+            fail: g.fail,
+            go_ns: g.go_ns,
+            last_ns,
+            lat_p50_us: g.hist.percentile(0.50),
+            lat_p99_us: g.hist.percentile(0.99),
+            lat_max_us: g.hist.max(),
+            delay_errors: g.delay_errors.clone(),
+            cpu_us: stats::cpu_us().saturating_sub(g.cpu0_us),
+            baseline_rss_kb,
+            rss_kb: mem.rss_kb,
+            hwm_kb: mem.hwm_kb,
+        })
+    }
+}

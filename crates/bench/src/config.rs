@@ -1,0 +1,91 @@
+//! Sizes of each scenario (full and `--short`) and shared constants.
+
+use std::time::Duration;
+
+use clap::ValueEnum;
+
+pub const DEFAULT_URL: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
+
+/// Prefetch of every consumer, raw and redeliver (issue 7: prefetch 200).
+pub const PREFETCH: u16 = 200;
+
+/// Handler concurrency of the redeliver worker. Equal to the prefetch so the worker can have
+/// every unacked delivery in flight, like the raw consumer that spawns one task per retry.
+pub const CONCURRENCY: usize = 200;
+
+/// Publisher confirms kept in flight by the backlog publishers (DESIGN: 20-200 is the sweet spot).
+pub const CONFIRM_WINDOW: usize = 200;
+
+/// Retry delay of scenario 2 (and of the settle phase of scenario 4).
+pub const RETRY_DELAY: Duration = Duration::from_millis(10);
+
+/// Delay given to parked messages in scenario 4: long enough to stay parked for the whole run.
+pub const PARK_DELAY: Duration = Duration::from_secs(3600);
+
+/// Target size of one message body in bytes.
+pub const BODY_BYTES: usize = 1024;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum Scenario {
+    Happy,
+    Retry,
+    Delay,
+    Park,
+}
+
+impl Scenario {
+    pub fn all() -> &'static [Scenario] {
+        &[
+            Scenario::Happy,
+            Scenario::Retry,
+            Scenario::Delay,
+            Scenario::Park,
+        ]
+    }
+}
+
+#[derive(Clone, Debug)]
+pub struct Sizes {
+    /// Rounds of scenarios 1 and 2 per side (alternating order; the best is reported).
+    pub rounds: u32,
+    /// Scenario 1: backlog drained for msg/s.
+    pub happy: u64,
+    /// Scenario 2: backlog that fails once each, drained for msg/s.
+    pub retry: u64,
+    /// Latency phases (scenarios 1 and 2): messages published at `paced_rate` while consuming.
+    pub paced: u64,
+    pub paced_rate: u64,
+    /// Scenario 3: number of probes and the maximum random delay.
+    pub delay_probes: u64,
+    pub delay_max: Duration,
+    /// Scenario 4: messages parked in the delay levels.
+    pub parked: u64,
+}
+
+impl Sizes {
+    pub fn full() -> Self {
+        Sizes {
+            rounds: 2,
+            happy: 100_000,
+            retry: 20_000,
+            paced: 10_000,
+            paced_rate: 2_000,
+            delay_probes: 2_000,
+            delay_max: Duration::from_secs(5),
+            parked: 50_000,
+        }
+    }
+
+    pub fn short() -> Self {
+        Sizes {
+            rounds: 1,
+            happy: 5_000,
+            retry: 1_000,
+            paced: 1_000,
+            paced_rate: 1_000,
+            delay_probes: 200,
+            delay_max: Duration::from_secs(1),
+            parked: 2_000,
+        }
+    }
+}

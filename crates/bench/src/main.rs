@@ -1,0 +1,89 @@
+//! `redeliver-bench`: redeliver's Worker and Publisher against a minimal hand-written lapin
+//! consumer, on the same broker, in one run. See BENCHMARKS.md at the repository root.
+//!
+//! The parent process declares the topology, publishes and reports; every consumer (raw or
+//! redeliver) runs in a child process (this same binary, hidden `child` subcommand) so that the
+//! RSS figures are the consumer's own and not polluted by the publisher or by earlier scenarios.
+
+mod broker;
+mod child;
+mod config;
+mod payload;
+mod proc_ctl;
+mod publish;
+mod report;
+mod scenarios;
+mod stats;
+
+use anyhow::Result;
+use clap::{Parser, Subcommand};
+
+use crate::config::{Scenario, DEFAULT_URL};
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "redeliver-bench",
+    about = "redeliver vs a raw lapin consumer: throughput, latency, delay accuracy, memory"
+)]
+struct Cli {
+    /// Small sizes (5,000 messages, 200 delay probes over 0-1 s, 2,000 parked) that prove the
+    /// benchmark works in a minute; the numbers are not meaningful.
+    #[arg(long)]
+    short: bool,
+    /// Broker URL.
+    #[arg(long, env = "AMQP_URL", default_value = DEFAULT_URL)]
+    url: String,
+    /// Management API base URL, used only to sweep leftovers of this run at the end.
+    #[arg(
+        long,
+        env = "RABBITMQ_MANAGEMENT_URL",
+        default_value = "http://guest:guest@127.0.0.1:15672"
+    )]
+    management_url: String,
+    /// Run only these scenarios (comma separated).
+    #[arg(long, value_enum, value_delimiter = ',')]
+    only: Vec<Scenario>,
+    /// Also write the Markdown report to this file.
+    #[arg(long)]
+    out: Option<std::path::PathBuf>,
+    #[command(subcommand)]
+    command: Option<Command>,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Internal: one consumer process driven by the parent over stdin/stdout.
+    #[command(hide = true)]
+    Child(child::ChildArgs),
+}
+
+fn main() -> Result<()> {
+    let cli = Cli::parse();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
+    match cli.command {
+        Some(Command::Child(args)) => rt.block_on(child::main(cli.url, args)),
+        None => {
+            let sizes = if cli.short {
+                config::Sizes::short()
+            } else {
+                config::Sizes::full()
+            };
+            let only = if cli.only.is_empty() {
+                Scenario::all().to_vec()
+            } else {
+                cli.only
+            };
+            let opts = scenarios::RunOptions {
+                url: cli.url,
+                management_url: cli.management_url,
+                sizes,
+                short: cli.short,
+                only,
+                out: cli.out,
+            };
+            rt.block_on(scenarios::run_all(opts))
+        }
+    }
+}

@@ -1,0 +1,50 @@
+//! Runs the benchmark binary in `--short` mode against the local broker (AMQP_URL) and checks
+//! that it completes and prints every table. No timing assertions: CI machines vary; this only
+//! proves the benchmark still works. Needs a running RabbitMQ (`rabbitmq-server -detached`).
+
+use std::process::Command;
+
+#[test]
+fn short_mode_completes_and_prints_the_tables() {
+    let out = Command::new(env!("CARGO_BIN_EXE_redeliver-bench"))
+        .arg("--short")
+        .output()
+        .expect("running redeliver-bench");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.success(),
+        "redeliver-bench --short failed ({}).\nIf it cannot reach the broker, start one with \
+         `rabbitmq-server -detached` (or set AMQP_URL).\nstdout:\n{stdout}\nstderr:\n{stderr}",
+        out.status
+    );
+    for needle in [
+        "| scenario | queue | side |",
+        "| happy | quorum | raw lapin |",
+        "| happy | quorum | redeliver |",
+        "| happy | classic | redeliver |",
+        "| retry | quorum | redeliver |",
+        "### Delay accuracy",
+        "### Memory under waiting retries",
+        "### Targets",
+    ] {
+        assert!(
+            stdout.contains(needle),
+            "missing {needle:?} in the report:\n{stdout}\nstderr:\n{stderr}"
+        );
+    }
+}
+
+#[test]
+fn unreachable_broker_fails_with_instructions() {
+    let out = Command::new(env!("CARGO_BIN_EXE_redeliver-bench"))
+        .args(["--short", "--url", "amqp://guest:guest@127.0.0.1:1/%2f"])
+        .output()
+        .expect("running redeliver-bench");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        stderr.contains("rabbitmq-server -detached"),
+        "no hint on how to start a broker:\n{stderr}"
+    );
+}
