@@ -1,0 +1,537 @@
+//! A worker process for the reliability suite (`tests/reliability_*.rs`): the tests spawn it as a
+//! child, inject faults around it (SIGKILL, closed connections, broker restarts, a stopped
+//! cluster node) and then account for every message they published.
+//!
+//! What it does with a message, decided per message and attempt so that a rerun or a restarted
+//! process makes the same choice:
+//!
+//! - the body must be JSON `{"id": "...", "mode": "..."}` (`mode` optional); anything else is
+//!   dead-lettered by the worker without calling the handler;
+//! - `mode` forces a behaviour: `ok`, `fail` (transient error every time), `permanent`, `panic`,
+//!   `hang`; without it the seeded rates `--fail-rate`, `--panic-rate`, `--hang-rate` decide;
+//! - on success the message id is appended to the `--record` file *before* the handler returns,
+//!   so the ack can only follow a recorded success. A kill between the two gives a duplicate
+//!   (recorded twice), never a success nobody recorded.
+//!
+//! ```text
+//! cargo run --example reliability_worker -- --queue work --prefix t1. --record /tmp/ok.txt \
+//!     --fail-rate 0.2 --seed 7
+//! ```
+//!
+//! Several `--url`s (or a comma-separated list) are tried in turn: the worker consumes through
+//! the first; when it has been unable to consume for `--failover-after-ms` it is stopped and a
+//! worker on the next URL is started. The worker crate reconnects only to its one URL, so this
+//! rotation lives here (see RELIABILITY.md).
+
+use std::fs::{File, OpenOptions};
+use std::io::Write;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use anyhow::{bail, Context as _};
+use clap::{Parser, ValueEnum};
+use redeliver::policy::BudgetConfig;
+use redeliver::worker::WorkerState;
+use redeliver::{
+    CancellationToken, Context, DelayConfig, HandlerError, Json, QueueType, RetryBudget,
+    RetryPolicy, Topology, Worker,
+};
+use tracing::{info, warn};
+
+#[derive(Clone, Copy, Debug, ValueEnum)]
+enum Kind {
+    Quorum,
+    Classic,
+}
+
+impl From<Kind> for QueueType {
+    fn from(k: Kind) -> Self {
+        match k {
+            Kind::Quorum => QueueType::Quorum,
+            Kind::Classic => QueueType::Classic,
+        }
+    }
+}
+
+/// Worker process for the reliability suite.
+#[derive(Debug, Parser)]
+struct Args {
+    /// AMQP URLs, tried in turn (repeat the flag or separate with commas).
+    #[arg(
+        long = "url",
+        env = "AMQP_URL",
+        value_delimiter = ',',
+        default_value = "amqp://guest:guest@127.0.0.1:5672/%2f"
+    )]
+    urls: Vec<String>,
+    /// Queue name, without the prefix.
+    #[arg(long)]
+    queue: String,
+    /// Prefix of every object (queue, DLX, DLQ and delay levels).
+    #[arg(long, default_value = "")]
+    prefix: String,
+    /// Type of the work queue.
+    #[arg(long, value_enum, default_value = "quorum")]
+    queue_type: Kind,
+    /// Number of delay levels (granularity 10 ms: 10 levels reach 10.23 s).
+    #[arg(long, default_value_t = 10)]
+    delay_levels: u8,
+    /// Type of the delay level queues.
+    #[arg(long, value_enum, default_value = "quorum")]
+    delay_queue_type: Kind,
+    /// `x-delivery-limit` of a quorum work queue.
+    #[arg(long, default_value_t = 20)]
+    delivery_limit: u32,
+    /// File the id of every successful message is appended to, one per line.
+    #[arg(long)]
+    record: PathBuf,
+    /// Also fsync the record file after each line (survives a machine crash, not only a
+    /// process kill; the tests only kill processes, so it is off by default).
+    #[arg(long)]
+    fsync: bool,
+    /// File every handler call is appended to: `id attempt outcome`.
+    #[arg(long)]
+    calls: Option<PathBuf>,
+    /// Probability that an attempt fails with a transient error.
+    #[arg(long, default_value_t = 0.0)]
+    fail_rate: f64,
+    /// Probability that an attempt panics.
+    #[arg(long, default_value_t = 0.0)]
+    panic_rate: f64,
+    /// Probability that an attempt hangs (for `--hang-ms`).
+    #[arg(long, default_value_t = 0.0)]
+    hang_rate: f64,
+    /// How long a hanging attempt sleeps.
+    #[arg(long, default_value_t = 60_000)]
+    hang_ms: u64,
+    /// Seed of the fault choices.
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    /// Simulated work per message.
+    #[arg(long, default_value_t = 0)]
+    work_ms: u64,
+    /// Per-message handler timeout.
+    #[arg(long)]
+    handler_timeout_ms: Option<u64>,
+    /// Maximum retries before dead-lettering.
+    #[arg(long, default_value_t = 3)]
+    max_retries: u32,
+    /// First retry delay (exponential, factor 2, full jitter).
+    #[arg(long, default_value_t = 50)]
+    retry_base_ms: u64,
+    /// Largest retry delay.
+    #[arg(long, default_value_t = 1_000)]
+    retry_cap_ms: u64,
+    /// Enables a retry budget allowing this fraction of first attempts as retries.
+    #[arg(long)]
+    budget_percent: Option<f64>,
+    /// Retry budget reserve, retries per second allowed whatever the traffic.
+    #[arg(long, default_value_t = 0)]
+    budget_reserve_per_sec: u32,
+    /// Retry budget window.
+    #[arg(long, default_value_t = 10)]
+    budget_ttl_secs: u64,
+    /// A content type other than this one is a permanent error.
+    #[arg(long)]
+    require_content_type: Option<String>,
+    /// Per-consumer prefetch.
+    #[arg(long, default_value_t = 50)]
+    prefetch: u16,
+    /// Handlers running at once.
+    #[arg(long, default_value_t = 10)]
+    concurrency: usize,
+    /// Shutdown grace period.
+    #[arg(long, default_value_t = 5_000)]
+    shutdown_grace_ms: u64,
+    /// With several URLs: how long the worker may be unable to consume before the next URL is
+    /// tried.
+    #[arg(long, default_value_t = 3_000)]
+    failover_after_ms: u64,
+    /// File the worker's state changes are appended to: `<unix ms> <state> <url index>`, so a
+    /// test can measure outages and recoveries from the worker's own point of view.
+    #[arg(long)]
+    events: Option<PathBuf>,
+    /// Connection name shown by the management API (default: the worker's,
+    /// `redeliver-worker:<queue>`).
+    #[arg(long)]
+    connection_name: Option<String>,
+}
+
+#[derive(Debug, serde::Deserialize)]
+struct Job {
+    id: String,
+    #[serde(default)]
+    mode: Option<String>,
+}
+
+/// What one attempt does.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Behaviour {
+    Ok,
+    Fail,
+    Permanent,
+    Panic,
+    Hang,
+}
+
+/// Settings and shared files of the handler.
+struct App {
+    record: Mutex<File>,
+    calls: Option<Mutex<File>>,
+    fsync: bool,
+    seed: u64,
+    fail_rate: f64,
+    panic_rate: f64,
+    hang_rate: f64,
+    hang: Duration,
+    work: Duration,
+    require_content_type: Option<String>,
+}
+
+/// splitmix64 over a byte string: a stable hash, so the same (seed, id, attempt) always draws
+/// the same number in every process.
+fn draw(seed: u64, id: &str, attempt: u32, salt: u64) -> f64 {
+    let mut x = seed ^ salt.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    let mut mix = |v: u64| {
+        x = x.wrapping_add(v).wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = x;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        x = z ^ (z >> 31);
+    };
+    for b in id.bytes() {
+        mix(u64::from(b));
+    }
+    mix(u64::from(attempt));
+    // 53 random bits as a fraction in [0, 1).
+    (x >> 11) as f64 / (1u64 << 53) as f64
+}
+
+impl App {
+    fn behaviour(&self, job: &Job, attempt: u32) -> Behaviour {
+        match job.mode.as_deref() {
+            Some("ok") => return Behaviour::Ok,
+            Some("fail") => return Behaviour::Fail,
+            Some("permanent") => return Behaviour::Permanent,
+            Some("panic") => return Behaviour::Panic,
+            Some("hang") => return Behaviour::Hang,
+            _ => {}
+        }
+        // Independent draws so that changing one rate does not move the others' choices.
+        if draw(self.seed, &job.id, attempt, 1) < self.panic_rate {
+            Behaviour::Panic
+        } else if draw(self.seed, &job.id, attempt, 2) < self.hang_rate {
+            Behaviour::Hang
+        } else if draw(self.seed, &job.id, attempt, 3) < self.fail_rate {
+            Behaviour::Fail
+        } else {
+            Behaviour::Ok
+        }
+    }
+
+    /// Appends one line with a single write(2) on an O_APPEND file: atomic with respect to the
+    /// other worker processes appending to the same file, and in the kernel's hands (so it
+    /// survives SIGKILL) once `write_all` returns.
+    fn append(file: &Mutex<File>, line: &str, fsync: bool) -> std::io::Result<()> {
+        let mut f = file
+            .lock()
+            // A panic while appending cannot leave the file in a state we would mind.
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        f.write_all(line.as_bytes())?;
+        if fsync {
+            f.sync_data()?;
+        }
+        Ok(())
+    }
+
+    fn log_call(&self, id: &str, attempt: u32, what: &str) {
+        if let Some(calls) = &self.calls {
+            if let Err(e) = Self::append(calls, &format!("{id} {attempt} {what}\n"), false) {
+                warn!(error = %e, "cannot append to the calls file");
+            }
+        }
+    }
+
+    async fn handle(&self, job: Job, ctx: Context) -> Result<(), HandlerError> {
+        // The message_id property is the accounting key (kept on every retry copy); the body's
+        // id is the fallback for publishers that did not set it.
+        let id = ctx.message_id().unwrap_or(&job.id).to_owned();
+        let attempt = ctx.attempt();
+        if let Some(want) = &self.require_content_type {
+            let got = ctx
+                .properties()
+                .content_type()
+                .as_ref()
+                .map(|s| s.as_str().to_owned())
+                .unwrap_or_default();
+            if &got != want {
+                self.log_call(&id, attempt, "wrong-content-type");
+                return Err(HandlerError::permanent(format!(
+                    "content type '{got}' is not '{want}'"
+                )));
+            }
+        }
+        let behaviour = self.behaviour(&job, attempt);
+        self.log_call(&id, attempt, &format!("{behaviour:?}").to_lowercase());
+        if !self.work.is_zero() {
+            tokio::time::sleep(self.work).await;
+        }
+        match behaviour {
+            Behaviour::Ok => {}
+            Behaviour::Fail => {
+                return Err(HandlerError::transient(format!(
+                    "injected failure (attempt {attempt})"
+                )))
+            }
+            Behaviour::Permanent => {
+                return Err(HandlerError::permanent("injected permanent error"))
+            }
+            Behaviour::Panic => panic!("injected panic for {id} (attempt {attempt})"),
+            Behaviour::Hang => {
+                // Past the handler timeout the worker drops this future; without one this is
+                // just a slow success.
+                tokio::time::sleep(self.hang).await;
+            }
+        }
+        // Recorded before returning Ok, i.e. before the ack: if recording fails the message must
+        // not be acked, so it becomes a transient error and is retried.
+        Self::append(&self.record, &format!("{id}\n"), self.fsync)
+            .map_err(|e| HandlerError::transient(format!("cannot record success: {e}")))?;
+        Ok(())
+    }
+}
+
+fn open_append(path: &PathBuf) -> anyhow::Result<File> {
+    OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(path)
+        .with_context(|| format!("cannot open {} for appending", path.display()))
+}
+
+fn rate(name: &str, v: f64) -> anyhow::Result<f64> {
+    if !(0.0..=1.0).contains(&v) {
+        bail!("--{name} must be between 0 and 1, got {v}");
+    }
+    Ok(v)
+}
+
+fn policy(args: &Args) -> RetryPolicy {
+    let mut p = RetryPolicy::exponential(Duration::from_millis(args.retry_base_ms))
+        .cap(Duration::from_millis(args.retry_cap_ms))
+        .max_retries(args.max_retries)
+        .seed(args.seed);
+    if let Some(pct) = args.budget_percent {
+        p = p.budget(RetryBudget::new(BudgetConfig {
+            ttl: Duration::from_secs(args.budget_ttl_secs),
+            min_retries_per_sec: args.budget_reserve_per_sec,
+            percent_can_retry: pct,
+            ..BudgetConfig::default()
+        }));
+    }
+    p
+}
+
+fn topology(args: &Args) -> Topology {
+    let delay = DelayConfig::new()
+        .prefix(args.prefix.clone())
+        .levels(args.delay_levels)
+        .queue_type(args.delay_queue_type.into());
+    Topology::new(args.queue.clone())
+        .prefix(args.prefix.clone())
+        .queue_type(args.queue_type.into())
+        .delivery_limit(Some(args.delivery_limit))
+        .delay(delay)
+}
+
+fn build(args: &Args, url: &str, app: &Arc<App>, policy: &RetryPolicy) -> anyhow::Result<Worker> {
+    let app = Arc::clone(app);
+    let mut b = Worker::builder(url)
+        .topology(topology(args))
+        .policy(policy.clone())
+        .prefetch(args.prefetch)
+        .concurrency(args.concurrency)
+        .shutdown_grace(Duration::from_millis(args.shutdown_grace_ms))
+        .handler(move |job: Json<Job>, ctx: Context| {
+            let app = Arc::clone(&app);
+            async move { app.handle(job.into_inner(), ctx).await }
+        });
+    if let Some(ms) = args.handler_timeout_ms {
+        b = b.handler_timeout(Duration::from_millis(ms));
+    }
+    if let Some(name) = &args.connection_name {
+        b = b.connection_name(name.clone());
+    }
+    b.build().context("invalid worker configuration")
+}
+
+/// The `--events` file of one worker (one URL).
+#[derive(Clone)]
+struct Events {
+    file: Arc<Mutex<File>>,
+    url_index: usize,
+}
+
+impl Events {
+    fn write(&self, state: WorkerState) {
+        let ms = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_millis())
+            .unwrap_or(0);
+        let line = format!("{ms} {state} {}\n", self.url_index);
+        if let Err(e) = App::append(&self.file, &line, false) {
+            warn!(error = %e, "cannot append to the events file");
+        }
+    }
+}
+
+/// Cancels `token` on SIGTERM or SIGINT.
+fn cancel_on_signal(token: CancellationToken) -> anyhow::Result<()> {
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+        .context("cannot listen for SIGTERM")?;
+    tokio::spawn(async move {
+        tokio::select! {
+            _ = term.recv() => info!("SIGTERM: shutting down"),
+            _ = tokio::signal::ctrl_c() => info!("SIGINT: shutting down"),
+        }
+        token.cancel();
+    });
+    Ok(())
+}
+
+/// Runs one worker on `url` until `token` is cancelled (returns `Ok(true)`: stop for good), or,
+/// when `failover` is set, until it has not been consuming for that long (returns `Ok(false)`:
+/// try the next URL).
+async fn run_one(
+    worker: Worker,
+    token: &CancellationToken,
+    failover: Option<Duration>,
+    events: Option<Events>,
+) -> anyhow::Result<bool> {
+    let mut status = worker.status_handle();
+    if let Some(ev) = events {
+        let mut watch = worker.status_handle();
+        tokio::spawn(async move {
+            ev.write(watch.state());
+            while let Some(state) = watch.changed().await {
+                ev.write(state);
+            }
+        });
+    }
+    let own = token.child_token();
+    let mut task = tokio::spawn(worker.run(own.clone()));
+    let Some(limit) = failover else {
+        task.await.context("worker task failed")??;
+        return Ok(true);
+    };
+    // Completes once the worker has not been consuming for `limit` in a row. A status channel
+    // that closes means the worker is finishing: then only the task's own end matters.
+    let not_consuming = async {
+        loop {
+            if status.state() != WorkerState::Consuming {
+                // Connecting or reconnecting: give it time, watching for a recovery.
+                let deadline = tokio::time::sleep(limit);
+                tokio::pin!(deadline);
+                loop {
+                    tokio::select! {
+                        _ = &mut deadline => return,
+                        s = status.changed() => match s {
+                            Some(WorkerState::Consuming) => break,
+                            Some(_) => {}
+                            None => std::future::pending::<()>().await,
+                        },
+                    }
+                }
+            } else if status.changed().await.is_none() {
+                std::future::pending::<()>().await;
+            }
+        }
+    };
+    tokio::select! {
+        r = &mut task => {
+            r.context("worker task failed")??;
+            Ok(true)
+        }
+        _ = not_consuming => {
+            if !token.is_cancelled() {
+                warn!(after = ?limit, "worker cannot consume on this URL; trying the next one");
+            }
+            own.cancel();
+            // Its connection is gone: its in-flight handlers cannot settle, and the broker
+            // gives their messages back. Wait for the shutdown to finish.
+            (&mut task).await.context("worker task failed")??;
+            Ok(token.is_cancelled())
+        }
+    }
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .with_ansi(false)
+        .init();
+    let args = Args::parse();
+    if args.urls.is_empty() {
+        bail!("no --url given");
+    }
+    let app = Arc::new(App {
+        record: Mutex::new(open_append(&args.record)?),
+        calls: args
+            .calls
+            .as_ref()
+            .map(open_append)
+            .transpose()?
+            .map(Mutex::new),
+        fsync: args.fsync,
+        seed: args.seed,
+        fail_rate: rate("fail-rate", args.fail_rate)?,
+        panic_rate: rate("panic-rate", args.panic_rate)?,
+        hang_rate: rate("hang-rate", args.hang_rate)?,
+        hang: Duration::from_millis(args.hang_ms),
+        work: Duration::from_millis(args.work_ms),
+        require_content_type: args.require_content_type.clone(),
+    });
+    // One policy for every worker this process runs: its retry budget must not start afresh on a
+    // failover.
+    let policy = policy(&args);
+    let token = CancellationToken::new();
+    cancel_on_signal(token.clone())?;
+    let failover =
+        (args.urls.len() > 1).then(|| Duration::from_millis(args.failover_after_ms.max(1)));
+    info!(queue = %args.queue, prefix = %args.prefix, urls = args.urls.len(), "reliability worker starting");
+    let events = args
+        .events
+        .as_ref()
+        .map(open_append)
+        .transpose()?
+        .map(|f| Arc::new(Mutex::new(f)));
+    for (i, url) in args.urls.iter().enumerate().cycle() {
+        if token.is_cancelled() {
+            break;
+        }
+        info!(url = %redact(url), "starting a worker");
+        let worker = build(&args, url, &app, &policy)?;
+        let ev = events.as_ref().map(|file| Events {
+            file: Arc::clone(file),
+            url_index: i,
+        });
+        if run_one(worker, &token, failover, ev).await? {
+            break;
+        }
+    }
+    info!("reliability worker stopped");
+    Ok(())
+}
+
+/// The URL without its password, for logs.
+fn redact(url: &str) -> String {
+    match (url.find("://"), url.rfind('@')) {
+        (Some(s), Some(at)) if at > s => format!("{}://***@{}", &url[..s], &url[at + 1..]),
+        _ => url.to_owned(),
+    }
+}

@@ -1,0 +1,1324 @@
+//! The conservation harness shared by the reliability suite (`tests/reliability_*.rs`).
+//!
+//! A [`Scenario`] owns one uniquely prefixed topology (work queue, DLX, DLQ and its own delay
+//! levels) on one broker. The test publishes messages with unique ids ([`Scenario::publish`]),
+//! runs `reliability_worker` processes against it ([`Scenario::worker`]), injects its fault, and
+//! then [`Scenario::account`]s for every id: recorded as a success by a handler, in the DLQ, or
+//! still in the work queue, the delay levels or the unroutable queue. An id found nowhere is
+//! *lost* (the suite requires zero); an id found more than once is a *duplicate* (allowed by
+//! at-least-once, counted and printed).
+//!
+//! A broker that cannot be reached fails the test with instructions, never skips it.
+#![allow(dead_code)]
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::future::Future;
+use std::panic::AssertUnwindSafe;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, OnceLock};
+use std::time::{Duration, Instant};
+
+use futures::{FutureExt, StreamExt};
+use redeliver::amqp::publisher::Publisher;
+use redeliver::lapin::options::{BasicGetOptions, BasicPublishOptions, QueueDeclareOptions};
+use redeliver::lapin::types::{AMQPValue, FieldTable};
+use redeliver::lapin::{BasicProperties, Connection, ConnectionProperties};
+use redeliver::{DelayConfig, QueueType, Topology};
+
+/// The default broker (AMQP_URL overrides).
+pub fn amqp_url() -> String {
+    std::env::var("AMQP_URL").unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into())
+}
+
+/// The default broker's management API (RABBITMQ_MGMT_URL overrides).
+pub fn mgmt_url() -> String {
+    std::env::var("RABBITMQ_MGMT_URL").unwrap_or_else(|_| "http://127.0.0.1:15672".into())
+}
+
+const HOW_TO_START: &str = "These tests need a real RabbitMQ (3.10+) with the management plugin: \
+    start it with `rabbitmq-server -detached` and `rabbitmq-plugins enable rabbitmq_management` \
+    (or run `bash scripts/ensure-rabbitmq.sh`), or point AMQP_URL / RABBITMQ_MGMT_URL at one.";
+
+/// Connects to `url` or fails the test with instructions.
+pub async fn connect(url: &str) -> Connection {
+    let props = ConnectionProperties::default()
+        .with_connection_name("redeliver-reliability-harness".into());
+    match Connection::connect(url, props).await {
+        Ok(c) => c,
+        Err(e) => panic!("cannot connect to RabbitMQ at {url}: {e}\n{HOW_TO_START}"),
+    }
+}
+
+/// Prints a line the suite's report is built from (`cargo test -- --nocapture` shows it).
+pub fn report(line: impl AsRef<str>) {
+    println!("[reliability] {}", line.as_ref());
+}
+
+// ---------------------------------------------------------------------------------------------
+// The worker binary
+
+/// Path of the `reliability_worker` example, built once per test process.
+///
+/// `cargo test --workspace` builds every example next to the test binaries
+/// (`<target>/<profile>/examples/`, whatever CARGO_TARGET_DIR says), so it is found there from
+/// this executable's own path (`<target>/<profile>/deps/<test>-<hash>`). When a narrower command
+/// (`cargo test --test reliability_kill`) did not build it, it is built here with the same cargo.
+pub fn worker_binary() -> &'static Path {
+    static BIN: OnceLock<PathBuf> = OnceLock::new();
+    BIN.get_or_init(|| {
+        let exe = std::env::current_exe().expect("path of the test executable");
+        let profile_dir = exe
+            .parent()
+            .and_then(Path::parent)
+            .expect("test executable lives in <target>/<profile>/deps");
+        let bin = profile_dir.join("examples").join(format!(
+            "reliability_worker{}",
+            std::env::consts::EXE_SUFFIX
+        ));
+        if is_stale(&bin) {
+            build_worker_binary(profile_dir);
+        }
+        assert!(
+            bin.exists(),
+            "{} does not exist; build it with `cargo build --example reliability_worker`",
+            bin.display()
+        );
+        bin
+    })
+}
+
+/// Missing, or older than a source it is built from (a narrow `cargo test --test ...` after an
+/// edit does not rebuild examples). Only then is cargo run: building the example alone resolves
+/// features for this package only, so doing it when `cargo test --workspace` just built it would
+/// rebuild it for nothing.
+fn is_stale(bin: &Path) -> bool {
+    let Ok(built) = std::fs::metadata(bin).and_then(|m| m.modified()) else {
+        return true;
+    };
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let newer = |p: &Path| {
+        std::fs::metadata(p)
+            .and_then(|m| m.modified())
+            .is_ok_and(|t| t > built)
+    };
+    if newer(&root.join("examples/reliability_worker.rs")) {
+        return true;
+    }
+    let mut dirs = vec![
+        root.join("src"),
+        root.join("crates/core/src"),
+        root.join("crates/amqp/src"),
+        root.join("crates/worker/src"),
+    ];
+    while let Some(dir) = dirs.pop() {
+        let Ok(entries) = std::fs::read_dir(&dir) else {
+            continue;
+        };
+        for e in entries.flatten() {
+            let path = e.path();
+            if path.is_dir() {
+                dirs.push(path);
+            } else if path.extension().is_some_and(|x| x == "rs") && newer(&path) {
+                return true;
+            }
+        }
+    }
+    false
+}
+
+fn build_worker_binary(profile_dir: &Path) {
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| env!("CARGO").to_owned());
+    let mut cmd = Command::new(cargo);
+    cmd.current_dir(env!("CARGO_MANIFEST_DIR")).args([
+        "build",
+        "--quiet",
+        "--example",
+        "reliability_worker",
+    ]);
+    // Same profile as this test binary: `release` when it was built with --release.
+    if profile_dir.file_name().is_some_and(|n| n == "release") {
+        cmd.arg("--release");
+    }
+    if let Some(target_dir) = profile_dir.parent() {
+        cmd.env("CARGO_TARGET_DIR", target_dir);
+    }
+    let status = cmd
+        .status()
+        .expect("run cargo to build the reliability_worker example");
+    assert!(
+        status.success(),
+        "cargo build --example reliability_worker failed"
+    );
+}
+
+// ---------------------------------------------------------------------------------------------
+// Scenario
+
+/// How a scenario's topology is shaped.
+#[derive(Clone, Debug)]
+pub struct Shape {
+    /// AMQP URL of the broker (the test's publisher and the accounting use it).
+    pub url: String,
+    pub queue_type: QueueType,
+    pub delay_levels: u8,
+    pub delay_queue_type: QueueType,
+    pub delivery_limit: u32,
+}
+
+impl Default for Shape {
+    fn default() -> Self {
+        Self {
+            url: amqp_url(),
+            queue_type: QueueType::Quorum,
+            // 10 levels of 10 ms reach 10.23 s, more than any retry delay used here; fewer
+            // queues than the default 24 keeps setup fast.
+            delay_levels: 10,
+            delay_queue_type: QueueType::Quorum,
+            delivery_limit: 20,
+        }
+    }
+}
+
+/// One test's topology, files and worker processes.
+pub struct Scenario {
+    pub name: String,
+    pub prefix: String,
+    /// Queue name without the prefix.
+    pub short_queue: String,
+    pub shape: Shape,
+    pub topology: Topology,
+    pub dir: PathBuf,
+    pub record: PathBuf,
+    pub calls: PathBuf,
+    /// The harness's own connection and publisher; replaced by [`Scenario::reconnect`] after a
+    /// broker restart.
+    link: std::sync::Mutex<(Arc<Connection>, Publisher)>,
+}
+
+fn kind(t: QueueType) -> &'static str {
+    match t {
+        QueueType::Quorum => "quorum",
+        QueueType::Classic => "classic",
+    }
+}
+
+impl Scenario {
+    /// Declares a fresh, uniquely prefixed topology for test `name`.
+    pub async fn new(name: &str, shape: Shape) -> Arc<Scenario> {
+        let id = uuid::Uuid::new_v4().simple().to_string();
+        let prefix = format!("rel-{name}-{}.", &id[..8]);
+        let short_queue = "work".to_owned();
+        let delay = DelayConfig::new()
+            .prefix(prefix.clone())
+            .levels(shape.delay_levels)
+            .queue_type(shape.delay_queue_type);
+        let topology = Topology::new(short_queue.clone())
+            .prefix(prefix.clone())
+            .queue_type(shape.queue_type)
+            .delivery_limit(Some(shape.delivery_limit))
+            .delay(delay.clone());
+        let dir = std::env::temp_dir()
+            .join("redeliver-reliability")
+            .join(prefix.trim_end_matches('.'));
+        std::fs::create_dir_all(&dir).expect("create the scenario directory");
+        let conn = connect(&shape.url).await;
+        // Declared here, before any worker runs, so messages can be published first; the worker
+        // declares the same objects again (idempotent) from the same settings.
+        topology
+            .declare(&conn)
+            .await
+            .unwrap_or_else(|e| panic!("declare the topology of {prefix}: {e}"));
+        let publisher = Publisher::new(&conn, delay)
+            .await
+            .expect("open a confirm-mode publisher");
+        report(format!(
+            "{name}: prefix {prefix}, files in {}",
+            dir.display()
+        ));
+        Arc::new(Scenario {
+            name: name.to_owned(),
+            record: dir.join("succeeded.txt"),
+            calls: dir.join("calls.txt"),
+            dir,
+            prefix,
+            short_queue,
+            shape,
+            topology,
+            link: std::sync::Mutex::new((Arc::new(conn), publisher)),
+        })
+    }
+
+    /// Runs `body`, then deletes the topology whether or not it panicked (and keeps the files
+    /// for diagnosis only when it did), then re-raises the panic.
+    pub async fn run<F, Fut>(self: Arc<Self>, body: F)
+    where
+        F: FnOnce(Arc<Scenario>) -> Fut,
+        Fut: Future<Output = ()>,
+    {
+        let outcome = AssertUnwindSafe(body(Arc::clone(&self)))
+            .catch_unwind()
+            .await;
+        self.cleanup(outcome.is_ok()).await;
+        if let Err(panic) = outcome {
+            std::panic::resume_unwind(panic);
+        }
+    }
+
+    async fn cleanup(&self, passed: bool) {
+        // A fresh connection: the scenario's may have been closed by the fault under test.
+        let conn = match Connection::connect(&self.shape.url, ConnectionProperties::default()).await
+        {
+            Ok(c) => c,
+            Err(e) => {
+                eprintln!("cleanup of {}: cannot connect: {e}", self.prefix);
+                return;
+            }
+        };
+        if let Err(e) = self.topology.delete(&conn).await {
+            eprintln!("cleanup of {}: {e}", self.prefix);
+        }
+        if let Err(e) = self.topology.delay_config().delete(&conn).await {
+            eprintln!("cleanup of {} delay levels: {e}", self.prefix);
+        }
+        let _ = conn.close(200, "cleanup".into()).await;
+        // RELIABILITY_KEEP=1 keeps the worker logs and records of passing tests too.
+        if passed && std::env::var_os("RELIABILITY_KEEP").is_none() {
+            let _ = std::fs::remove_dir_all(&self.dir);
+        } else {
+            eprintln!(
+                "{}: worker logs and records kept in {}",
+                self.name,
+                self.dir.display()
+            );
+        }
+    }
+
+    pub fn queue(&self) -> String {
+        self.topology.queue_name()
+    }
+
+    pub fn dlq(&self) -> String {
+        self.topology.dlq_name()
+    }
+
+    pub fn delay(&self) -> &DelayConfig {
+        self.topology.delay_config()
+    }
+
+    pub fn connection(&self) -> Arc<Connection> {
+        Arc::clone(&self.lock_link().0)
+    }
+
+    fn publisher(&self) -> Publisher {
+        self.lock_link().1.clone()
+    }
+
+    fn lock_link(&self) -> std::sync::MutexGuard<'_, (Arc<Connection>, Publisher)> {
+        // The pair is replaced whole, so a panic elsewhere cannot leave it half-updated.
+        self.link.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Opens a new connection and publisher (after the broker dropped the old ones), retrying
+    /// for up to `timeout`.
+    pub async fn reconnect(&self, timeout: Duration) {
+        let start = Instant::now();
+        loop {
+            let props = ConnectionProperties::default()
+                .with_connection_name("redeliver-reliability-harness".into());
+            match Connection::connect(&self.shape.url, props).await {
+                Ok(conn) => match Publisher::new(&conn, self.delay().clone()).await {
+                    Ok(p) => {
+                        *self.lock_link() = (Arc::new(conn), p);
+                        return;
+                    }
+                    Err(e) => assert!(start.elapsed() < timeout, "reopen the publisher: {e}"),
+                },
+                Err(e) => assert!(
+                    start.elapsed() < timeout,
+                    "reconnect to {} within {timeout:?}: {e}",
+                    self.shape.url
+                ),
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+
+    /// Connection name the worker processes of this scenario use, as the management API shows
+    /// it: only these connections are ever force-closed.
+    pub fn worker_connection_name(&self) -> String {
+        format!("redeliver-worker:{}", self.queue())
+    }
+
+    /// A worker process command line for this scenario; add fault flags, then `spawn`.
+    pub fn worker(&self) -> WorkerCmd {
+        WorkerCmd {
+            args: vec![
+                "--url".into(),
+                self.shape.url.clone(),
+                "--queue".into(),
+                self.short_queue.clone(),
+                "--prefix".into(),
+                self.prefix.clone(),
+                "--queue-type".into(),
+                kind(self.shape.queue_type).into(),
+                "--delay-levels".into(),
+                self.shape.delay_levels.to_string(),
+                "--delay-queue-type".into(),
+                kind(self.shape.delay_queue_type).into(),
+                "--delivery-limit".into(),
+                self.shape.delivery_limit.to_string(),
+                "--record".into(),
+                self.record.display().to_string(),
+                "--calls".into(),
+                self.calls.display().to_string(),
+            ],
+            dir: self.dir.clone(),
+        }
+    }
+
+    // -- publishing
+
+    /// Publishes `n` JSON messages `{"id": ...}` with `message_id = id` to the work queue, each
+    /// confirmed by the broker (up to 100 confirms in flight). Returns the ids.
+    pub async fn publish(&self, n: usize) -> Vec<String> {
+        let ids: Vec<String> = (0..n).map(|i| format!("{}m{i:06}", self.prefix)).collect();
+        self.publish_ids(&ids, |_| None).await;
+        ids
+    }
+
+    /// Publishes one message per id, with `mode(i)` as the body's `mode` when given.
+    pub async fn publish_ids(&self, ids: &[String], mode: impl Fn(usize) -> Option<&'static str>) {
+        let queue = self.queue();
+        let jobs: Vec<(String, Vec<u8>)> = ids
+            .iter()
+            .enumerate()
+            .map(|(i, id)| {
+                let mut body = serde_json::json!({ "id": id });
+                if let Some(m) = mode(i) {
+                    body["mode"] = m.into();
+                }
+                (id.clone(), serde_json::to_vec(&body).expect("serialize"))
+            })
+            .collect();
+        let results: Vec<_> = futures::stream::iter(jobs.into_iter().map(|(id, body)| {
+            let publisher = self.publisher();
+            let queue = queue.clone();
+            async move {
+                let props = BasicProperties::default()
+                    .with_message_id(id.as_str().into())
+                    .with_content_type("application/json".into())
+                    .with_delivery_mode(2);
+                publisher
+                    .publish_bytes("", &queue, &body, props)
+                    .await
+                    .map_err(|e| format!("publish {id}: {e}"))
+            }
+        }))
+        .buffer_unordered(100)
+        .collect()
+        .await;
+        for r in results {
+            r.unwrap_or_else(|e| panic!("{e}"));
+        }
+    }
+
+    /// Publishes raw bytes with the given properties to `exchange`/`routing_key` on a confirm
+    /// channel, mandatory off (the delay exchanges' alternate exchange is what must catch a bad
+    /// key), and waits for the confirm.
+    pub async fn publish_raw(
+        &self,
+        exchange: &str,
+        routing_key: &str,
+        body: &[u8],
+        props: BasicProperties,
+    ) {
+        self.try_publish_raw(exchange, routing_key, body, props)
+            .await
+            .unwrap_or_else(|e| panic!("{e}"));
+    }
+
+    /// [`Self::publish_raw`] returning a nack or a channel error instead of panicking.
+    pub async fn try_publish_raw(
+        &self,
+        exchange: &str,
+        routing_key: &str,
+        body: &[u8],
+        props: BasicProperties,
+    ) -> Result<(), String> {
+        let publisher = self.publisher();
+        let confirm = publisher
+            .channel()
+            .basic_publish(
+                exchange.into(),
+                routing_key.into(),
+                BasicPublishOptions::default(),
+                body,
+                props,
+            )
+            .await
+            .map_err(|e| format!("publish to {exchange}/{routing_key}: {e}"))?
+            .await
+            .map_err(|e| format!("confirm of {exchange}/{routing_key}: {e}"))?;
+        if confirm.is_ack() {
+            Ok(())
+        } else {
+            Err(format!(
+                "broker did not confirm the publish to {exchange}/{routing_key}: {confirm:?}"
+            ))
+        }
+    }
+
+    // -- observing
+
+    /// Ready messages and consumers of `queue` right now (passive declare: no statistics lag).
+    pub async fn queue_state(&self, queue: &str) -> (u32, u32) {
+        let ch = self
+            .connection()
+            .create_channel()
+            .await
+            .expect("open a channel for a passive declare");
+        let q = ch
+            .queue_declare(
+                queue.into(),
+                QueueDeclareOptions {
+                    passive: true,
+                    ..QueueDeclareOptions::default()
+                },
+                FieldTable::default(),
+            )
+            .await
+            .unwrap_or_else(|e| panic!("passive declare of {queue}: {e}"));
+        let _ = ch.close(200, "done".into()).await;
+        (q.message_count(), q.consumer_count())
+    }
+
+    /// Ready counts of every queue of the scenario.
+    pub async fn counts(&self) -> Counts {
+        let (queue, consumers) = self.queue_state(&self.queue()).await;
+        let (dlq, _) = self.queue_state(&self.dlq()).await;
+        let mut delay = 0;
+        for k in 0..self.shape.delay_levels {
+            delay += self.queue_state(&self.delay().level_name(k)).await.0;
+        }
+        let (unroutable, _) = self.queue_state(&self.delay().unroutable_name()).await;
+        Counts {
+            queue,
+            consumers,
+            dlq,
+            delay,
+            unroutable,
+        }
+    }
+
+    /// Success lines of the record file, per id.
+    pub fn succeeded(&self) -> HashMap<String, usize> {
+        read_lines(&self.record)
+            .into_iter()
+            .fold(HashMap::new(), |mut m, id| {
+                *m.entry(id).or_default() += 1;
+                m
+            })
+    }
+
+    /// Handler calls (id, attempt, behaviour) from the calls file.
+    pub fn calls(&self) -> Vec<(String, u32, String)> {
+        read_lines(&self.calls)
+            .into_iter()
+            .filter_map(|l| {
+                let mut it = l.split(' ');
+                let id = it.next()?.to_owned();
+                let attempt = it.next()?.parse().ok()?;
+                let what = it.next()?.to_owned();
+                Some((id, attempt, what))
+            })
+            .collect()
+    }
+
+    /// Waits until `n` consumers are on the work queue; returns how long that took.
+    pub async fn wait_consumers(&self, n: u32, timeout: Duration) -> Duration {
+        let start = Instant::now();
+        loop {
+            let (_, consumers) = self.queue_state(&self.queue()).await;
+            if consumers >= n {
+                return start.elapsed();
+            }
+            assert!(
+                start.elapsed() < timeout,
+                "{}: {n} consumer(s) expected on {} within {timeout:?}, {consumers} there",
+                self.name,
+                self.queue()
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    /// Number of published ids already recorded as succeeded (at least once).
+    pub fn progress(&self, ids: &HashSet<String>) -> usize {
+        self.succeeded()
+            .keys()
+            .filter(|id| ids.contains(*id))
+            .count()
+    }
+
+    /// Waits until at least `fraction` of `ids` were recorded as succeeded.
+    pub async fn wait_progress(&self, ids: &HashSet<String>, fraction: f64, timeout: Duration) {
+        let want = (ids.len() as f64 * fraction).ceil() as usize;
+        let start = Instant::now();
+        loop {
+            let done = self.progress(ids);
+            if done >= want {
+                return;
+            }
+            assert!(
+                start.elapsed() < timeout,
+                "{}: only {done} of {} succeeded after {timeout:?} (wanted {want})",
+                self.name,
+                ids.len()
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    /// Waits until every id is either recorded as succeeded or counted in the DLQ and nothing
+    /// waits in the work queue or the delay levels (checked twice, 500 ms apart, so a message
+    /// between two hops is not missed). Returns the time it took; panics after `timeout` with
+    /// the current counts.
+    pub async fn wait_settled(&self, ids: &HashSet<String>, timeout: Duration) -> Duration {
+        self.try_wait_settled(ids, timeout)
+            .await
+            .unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    /// [`Self::wait_settled`] without the panic: the error says what is still missing.
+    pub async fn try_wait_settled(
+        &self,
+        ids: &HashSet<String>,
+        timeout: Duration,
+    ) -> Result<Duration, String> {
+        let start = Instant::now();
+        let mut stable = 0;
+        loop {
+            let c = self.counts().await;
+            let ok = self.progress(ids);
+            if ok + c.dlq as usize >= ids.len() && c.queue == 0 && c.delay == 0 {
+                stable += 1;
+                if stable == 2 {
+                    return Ok(start.elapsed());
+                }
+                tokio::time::sleep(Duration::from_millis(500)).await;
+                continue;
+            }
+            stable = 0;
+            if start.elapsed() > timeout {
+                return Err(format!(
+                    "{}: not settled after {timeout:?}: {ok} of {} succeeded, {c:?}",
+                    self.name,
+                    ids.len()
+                ));
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    // -- accounting
+
+    /// Removes and returns every message of `queue` (call when no worker consumes it).
+    pub async fn drain(&self, queue: &str) -> Vec<Got> {
+        let ch = self
+            .connection()
+            .create_channel()
+            .await
+            .expect("open a channel");
+        let mut out = Vec::new();
+        while let Some(m) = ch
+            .basic_get(queue.into(), BasicGetOptions { no_ack: true })
+            .await
+            .unwrap_or_else(|e| panic!("basic.get on {queue}: {e}"))
+        {
+            let d = m.delivery;
+            out.push(Got {
+                id: d
+                    .properties
+                    .message_id()
+                    .as_ref()
+                    .map(|s| s.as_str().to_owned())
+                    .unwrap_or_default(),
+                headers: d.properties.headers().clone().unwrap_or_default(),
+                body_len: d.data.len(),
+            });
+        }
+        let _ = ch.close(200, "drained".into()).await;
+        out
+    }
+
+    /// Accounts for every id in `ids`. Call after the workers stopped: it drains the DLQ, the
+    /// work queue, the delay levels and the unroutable queue.
+    pub async fn account(&self, ids: &[String]) -> Accounting {
+        let published: HashSet<&String> = ids.iter().collect();
+        let succeeded = self.succeeded();
+        let dlq = self.drain(&self.dlq()).await;
+        let mut remaining = self.drain(&self.queue()).await;
+        for k in 0..self.shape.delay_levels {
+            remaining.extend(self.drain(&self.delay().level_name(k)).await);
+        }
+        let unroutable = self.drain(&self.delay().unroutable_name()).await;
+        let mut seen: HashMap<&str, usize> = HashMap::new();
+        let mut foreign = 0;
+        let found = succeeded.iter().map(|(id, n)| (id.as_str(), *n)).chain(
+            dlq.iter()
+                .chain(&remaining)
+                .chain(&unroutable)
+                .map(|g| (g.id.as_str(), 1)),
+        );
+        for (id, n) in found {
+            match published.get(&id.to_owned()) {
+                Some(p) => *seen.entry(p.as_str()).or_default() += n,
+                None => foreign += n,
+            }
+        }
+        let lost: Vec<String> = ids
+            .iter()
+            .filter(|id| !seen.contains_key(id.as_str()))
+            .cloned()
+            .collect();
+        let duplicates = seen.values().map(|n| n.saturating_sub(1)).sum();
+        let succeeded_ids: HashSet<&String> =
+            succeeded.keys().filter(|k| published.contains(k)).collect();
+        Accounting {
+            published: ids.len(),
+            succeeded: succeeded_ids.len(),
+            succeeded_lines: succeeded
+                .iter()
+                .filter(|(k, _)| published.contains(k))
+                .map(|(_, n)| n)
+                .sum(),
+            dead_lettered: dlq.iter().filter(|g| published.contains(&g.id)).count(),
+            remaining: remaining.len(),
+            unroutable: unroutable.len(),
+            lost,
+            duplicates,
+            foreign,
+            dlq,
+            unroutable_messages: unroutable,
+        }
+    }
+}
+
+fn read_lines(path: &Path) -> Vec<String> {
+    match std::fs::read_to_string(path) {
+        Ok(s) => s
+            .lines()
+            .filter(|l| !l.is_empty())
+            .map(str::to_owned)
+            .collect(),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Vec::new(),
+        Err(e) => panic!("read {}: {e}", path.display()),
+    }
+}
+
+/// Ready messages per queue of a scenario, and the work queue's consumers.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Counts {
+    pub queue: u32,
+    pub consumers: u32,
+    pub dlq: u32,
+    pub delay: u32,
+    pub unroutable: u32,
+}
+
+/// A drained message.
+#[derive(Clone, Debug)]
+pub struct Got {
+    pub id: String,
+    pub headers: FieldTable,
+    pub body_len: usize,
+}
+
+impl Got {
+    pub fn header(&self, name: &str) -> Option<&AMQPValue> {
+        self.headers.inner().get(name)
+    }
+
+    pub fn header_str(&self, name: &str) -> Option<String> {
+        match self.header(name)? {
+            AMQPValue::LongString(v) => Some(String::from_utf8_lossy(v.as_bytes()).into_owned()),
+            AMQPValue::ShortString(v) => Some(v.as_str().to_owned()),
+            _ => None,
+        }
+    }
+
+    pub fn header_int(&self, name: &str) -> Option<i64> {
+        match self.header(name)? {
+            AMQPValue::LongLongInt(v) => Some(*v),
+            AMQPValue::LongInt(v) => Some(i64::from(*v)),
+            AMQPValue::ShortInt(v) => Some(i64::from(*v)),
+            AMQPValue::LongUInt(v) => Some(i64::from(*v)),
+            _ => None,
+        }
+    }
+
+    /// `reason` of the newest x-death entry.
+    pub fn death_reason(&self) -> Option<String> {
+        redeliver::amqp::headers::x_death(Some(&self.headers))
+            .first()
+            .map(|d| d.reason.clone())
+    }
+}
+
+/// Where every published id ended up.
+#[derive(Debug)]
+pub struct Accounting {
+    pub published: usize,
+    /// Distinct ids recorded as succeeded.
+    pub succeeded: usize,
+    /// Success lines for published ids (more than `succeeded` when handlers ran twice).
+    pub succeeded_lines: usize,
+    pub dead_lettered: usize,
+    /// Still in the work queue or the delay levels.
+    pub remaining: usize,
+    pub unroutable: usize,
+    /// Published ids found nowhere.
+    pub lost: Vec<String>,
+    /// Extra appearances of ids found more than once (success twice, success and DLQ, ...).
+    pub duplicates: usize,
+    /// Messages found that this scenario did not publish.
+    pub foreign: usize,
+    pub dlq: Vec<Got>,
+    pub unroutable_messages: Vec<Got>,
+}
+
+impl Accounting {
+    pub fn summary(&self) -> String {
+        format!(
+            "N={} succeeded={} (success lines {}) dead-lettered={} remaining={} unroutable={} \
+             lost={} duplicates={} foreign={}",
+            self.published,
+            self.succeeded,
+            self.succeeded_lines,
+            self.dead_lettered,
+            self.remaining,
+            self.unroutable,
+            self.lost.len(),
+            self.duplicates,
+            self.foreign
+        )
+    }
+
+    /// The suite's invariant: nothing lost. Prints the summary either way.
+    pub fn assert_nothing_lost(&self, what: &str) {
+        report(format!("{what}: {}", self.summary()));
+        assert!(
+            self.lost.is_empty(),
+            "{what}: {} message(s) lost, e.g. {:?}",
+            self.lost.len(),
+            &self.lost[..self.lost.len().min(10)]
+        );
+        assert_eq!(
+            self.foreign, 0,
+            "{what}: messages of another scenario found"
+        );
+    }
+
+    /// Nothing lost and nothing left in the work queue or delay levels.
+    pub fn assert_settled(&self, what: &str) {
+        self.assert_nothing_lost(what);
+        assert_eq!(self.remaining, 0, "{what}: messages still waiting");
+    }
+
+    /// DLQ entries per x-death reason.
+    pub fn dlq_reasons(&self) -> BTreeMap<String, usize> {
+        let mut m = BTreeMap::new();
+        for g in &self.dlq {
+            *m.entry(g.death_reason().unwrap_or_else(|| "none".into()))
+                .or_default() += 1;
+        }
+        m
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Worker processes
+
+/// Command line of a `reliability_worker` process.
+#[derive(Clone, Debug)]
+pub struct WorkerCmd {
+    args: Vec<String>,
+    dir: PathBuf,
+}
+
+impl WorkerCmd {
+    /// Adds `--flag value`.
+    pub fn arg(mut self, flag: &str, value: impl ToString) -> Self {
+        self.args.push(format!("--{flag}"));
+        self.args.push(value.to_string());
+        self
+    }
+
+    /// Adds a flag without value.
+    pub fn flag(mut self, flag: &str) -> Self {
+        self.args.push(format!("--{flag}"));
+        self
+    }
+
+    /// Replaces the `--url` (several, comma-separated, are tried in turn).
+    pub fn urls(mut self, urls: &str) -> Self {
+        if let Some(i) = self.args.iter().position(|a| a == "--url") {
+            self.args[i + 1] = urls.to_owned();
+        }
+        self
+    }
+
+    /// Starts the process; its output goes to `<scenario dir>/<label>.log`, its state changes
+    /// to `<label>.events`.
+    pub fn spawn(&self, label: &str) -> WorkerProc {
+        let log_path = self.dir.join(format!("{label}.log"));
+        let events = self.dir.join(format!("{label}.events"));
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&log_path)
+            .expect("open the worker log");
+        let child = Command::new(worker_binary())
+            .args(&self.args)
+            .arg("--events")
+            .arg(&events)
+            .env(
+                "RUST_LOG",
+                std::env::var("RELIABILITY_WORKER_LOG").unwrap_or_else(|_| "info".into()),
+            )
+            // AMQP_URL would otherwise be ignored anyway (--url is given); keep the child's
+            // environment free of it so a single source decides.
+            .env_remove("AMQP_URL")
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().expect("clone the log handle"))
+            .stderr(log)
+            .spawn()
+            .unwrap_or_else(|e| panic!("spawn {}: {e}", worker_binary().display()));
+        WorkerProc {
+            child: Some(child),
+            label: label.to_owned(),
+            log: log_path,
+            events,
+        }
+    }
+}
+
+/// A running worker process; killed (SIGKILL) if still running when dropped.
+pub struct WorkerProc {
+    child: Option<Child>,
+    pub label: String,
+    pub log: PathBuf,
+    pub events: PathBuf,
+}
+
+/// One outage of a worker, in unix ms, as its events file tells it.
+#[derive(Clone, Copy, Debug)]
+pub struct Outage {
+    /// When it stopped consuming.
+    pub lost_at: u128,
+    /// When it consumed again.
+    pub back_at: u128,
+    /// Index (in its `--url` list) of the URL it consumes through again.
+    pub url: usize,
+}
+
+impl Outage {
+    pub fn duration(&self) -> Duration {
+        Duration::from_millis(u64::try_from(self.back_at - self.lost_at).unwrap_or(u64::MAX))
+    }
+}
+
+/// Milliseconds since the Unix epoch (the clock of the workers' events files).
+pub fn unix_ms() -> u128 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis())
+        .unwrap_or(0)
+}
+
+impl WorkerProc {
+    pub fn pid(&self) -> u32 {
+        self.child.as_ref().map(Child::id).unwrap_or(0)
+    }
+
+    /// True while the process runs.
+    pub fn is_running(&mut self) -> bool {
+        match self.child.as_mut() {
+            Some(c) => matches!(c.try_wait(), Ok(None)),
+            None => false,
+        }
+    }
+
+    /// SIGKILL: no shutdown code runs, unacked deliveries go back to the queue through the
+    /// broker when the TCP connection drops.
+    pub fn kill(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    /// SIGTERM and wait for a graceful exit (SIGKILL after `timeout`); returns the exit status
+    /// as text.
+    pub async fn terminate(&mut self, timeout: Duration) -> String {
+        let Some(mut c) = self.child.take() else {
+            return "already stopped".into();
+        };
+        let _ = Command::new("kill")
+            .args(["-TERM", &c.id().to_string()])
+            .status();
+        let start = Instant::now();
+        loop {
+            match c.try_wait() {
+                Ok(Some(status)) => return status.to_string(),
+                Ok(None) if start.elapsed() < timeout => {
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+                _ => {
+                    let _ = c.kill();
+                    let _ = c.wait();
+                    return format!("killed after {timeout:?} without exiting");
+                }
+            }
+        }
+    }
+
+    /// State changes written by the worker: (unix ms, state, index of the URL in use).
+    pub fn state_changes(&self) -> Vec<(u128, String, usize)> {
+        read_lines(&self.events)
+            .into_iter()
+            .filter_map(|l| {
+                let mut it = l.split(' ');
+                Some((
+                    it.next()?.parse().ok()?,
+                    it.next()?.to_owned(),
+                    it.next()?.parse().ok()?,
+                ))
+            })
+            .collect()
+    }
+
+    /// The worker's own outage after `since` (unix ms): from the first moment it stopped
+    /// consuming to the next moment it consumed again. `None` while it has not recovered (or
+    /// never lost its connection).
+    pub fn outage_after(&self, since: u128) -> Option<Outage> {
+        let changes = self.state_changes();
+        let lost = changes
+            .iter()
+            .find(|(t, s, _)| *t >= since && s != "consuming")?;
+        let back = changes
+            .iter()
+            .find(|(t, s, _)| *t >= lost.0 && s == "consuming")?;
+        Some(Outage {
+            lost_at: lost.0,
+            back_at: back.0,
+            url: back.2,
+        })
+    }
+
+    /// Every outage of the worker so far: from leaving `consuming` to the next `consuming`
+    /// (the first connection does not count; the final shutdown is not an outage).
+    pub fn outages(&self) -> Vec<Duration> {
+        let mut out = Vec::new();
+        let mut lost_at = None;
+        let mut consumed = false;
+        for (t, state, _) in self.state_changes() {
+            match state.as_str() {
+                "consuming" => {
+                    if let Some(l) = lost_at.take() {
+                        out.push(Duration::from_millis(
+                            u64::try_from(t - l).unwrap_or(u64::MAX),
+                        ));
+                    }
+                    consumed = true;
+                }
+                "draining" | "stopped" if lost_at.is_none() => {}
+                _ if consumed && lost_at.is_none() => lost_at = Some(t),
+                _ => {}
+            }
+        }
+        out
+    }
+
+    /// Waits up to `timeout` for [`Self::outage_after`].
+    pub async fn wait_recovered(&self, since: u128, timeout: Duration) -> Outage {
+        let start = Instant::now();
+        loop {
+            if let Some(r) = self.outage_after(since) {
+                return r;
+            }
+            assert!(
+                start.elapsed() < timeout,
+                "{}: no recovery within {timeout:?}; state changes: {:?}\n{}",
+                self.label,
+                self.state_changes(),
+                self.log_tail(20)
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    /// The last lines of the process's log, for assertion messages.
+    pub fn log_tail(&self, lines: usize) -> String {
+        let text = std::fs::read_to_string(&self.log).unwrap_or_default();
+        let all: Vec<&str> = text.lines().collect();
+        all[all.len().saturating_sub(lines)..].join("\n")
+    }
+}
+
+impl Drop for WorkerProc {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Management API (default broker unless told otherwise)
+
+fn mgmt_auth() -> String {
+    let user = std::env::var("RABBITMQ_MGMT_USER").unwrap_or_else(|_| "guest".into());
+    let pass = std::env::var("RABBITMQ_MGMT_PASSWORD").unwrap_or_else(|_| "guest".into());
+    format!("Basic {}", base64(format!("{user}:{pass}").as_bytes()))
+}
+
+fn base64(input: &[u8]) -> String {
+    const T: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+    let mut out = String::new();
+    for chunk in input.chunks(3) {
+        let b = [
+            chunk[0],
+            chunk.get(1).copied().unwrap_or(0),
+            chunk.get(2).copied().unwrap_or(0),
+        ];
+        let n = (u32::from(b[0]) << 16) | (u32::from(b[1]) << 8) | u32::from(b[2]);
+        for i in 0..4 {
+            if i <= chunk.len() {
+                out.push(T[((n >> (18 - 6 * i)) & 63) as usize] as char);
+            } else {
+                out.push('=');
+            }
+        }
+    }
+    out
+}
+
+/// Percent-encodes a path segment (connection names contain spaces, `:` and `>`).
+fn pct(s: &str) -> String {
+    let mut out = String::new();
+    for b in s.bytes() {
+        if b.is_ascii_alphanumeric() || b"-._~".contains(&b) {
+            out.push(b as char);
+        } else {
+            out.push_str(&format!("%{b:02X}"));
+        }
+    }
+    out
+}
+
+/// Management names of the connections whose client-provided name is exactly `name`.
+pub async fn connections_named(mgmt: &str, name: &str) -> Vec<String> {
+    let url = format!("{mgmt}/api/connections?columns=name,client_properties");
+    let name = name.to_owned();
+    tokio::task::spawn_blocking(move || {
+        let mut resp = ureq::get(&url)
+            .header("Authorization", &mgmt_auth())
+            .call()
+            .unwrap_or_else(|e| panic!("GET {url}: {e}\n{HOW_TO_START}"));
+        let list: serde_json::Value = resp.body_mut().read_json().expect("connections JSON");
+        list.as_array()
+            .into_iter()
+            .flatten()
+            .filter(|c| c["client_properties"]["connection_name"].as_str() == Some(&name))
+            .filter_map(|c| c["name"].as_str().map(str::to_owned))
+            .collect()
+    })
+    .await
+    .expect("management API task")
+}
+
+/// Force-closes the given connections (as an operator or a broker-side failure would).
+/// A connection already gone (404) is not an error.
+pub async fn close_connections(mgmt: &str, names: Vec<String>) -> usize {
+    let mgmt = mgmt.to_owned();
+    tokio::task::spawn_blocking(move || {
+        let mut closed = 0;
+        for n in names {
+            let url = format!("{mgmt}/api/connections/{}", pct(&n));
+            match ureq::delete(&url)
+                .header("Authorization", &mgmt_auth())
+                .header("X-Reason", "reliability suite: forced close")
+                .call()
+            {
+                Ok(_) => closed += 1,
+                Err(ureq::Error::StatusCode(404)) => {}
+                Err(e) => panic!("DELETE {url}: {e}"),
+            }
+        }
+        closed
+    })
+    .await
+    .expect("management API task")
+}
+
+// ---------------------------------------------------------------------------------------------
+// Extra broker nodes (scripts/cluster.sh)
+
+/// Extra RabbitMQ nodes started by `scripts/cluster.sh` (a dedicated single node, or the
+/// 3-node cluster), so disruptive faults never touch the default broker other suites use.
+pub struct Nodes {
+    pub name: String,
+    pub count: u32,
+    pub base_port: u16,
+    pub management: bool,
+    /// True when this value started them (and so stops them when dropped).
+    owned: bool,
+}
+
+impl Nodes {
+    fn script_path() -> PathBuf {
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/cluster.sh")
+    }
+
+    fn command(&self, args: &[&str]) -> Command {
+        let mut cmd = Command::new("bash");
+        cmd.arg(Self::script_path())
+            .args(args)
+            .env("RD_CLUSTER_NAME", &self.name)
+            .env("RD_CLUSTER_NODES", self.count.to_string())
+            .env("RD_CLUSTER_BASE_PORT", self.base_port.to_string())
+            .env(
+                "RD_CLUSTER_MANAGEMENT",
+                if self.management { "1" } else { "0" },
+            );
+        cmd
+    }
+
+    fn run(&self, args: &[&str]) -> Result<String, String> {
+        let out = self
+            .command(args)
+            .output()
+            .map_err(|e| format!("run scripts/cluster.sh: {e}"))?;
+        if out.status.success() {
+            Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+        } else {
+            Err(format!(
+                "scripts/cluster.sh {} failed ({}):\n{}\n{}",
+                args.join(" "),
+                out.status,
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            ))
+        }
+    }
+
+    /// Starts the nodes unless they already run (then they are left running afterwards).
+    pub async fn start(name: &str, count: u32, base_port: u16, management: bool) -> Nodes {
+        let mut nodes = Nodes {
+            name: name.to_owned(),
+            count,
+            base_port,
+            management,
+            owned: false,
+        };
+        let already = nodes.run(&["status"]).is_ok_and(|s| !s.contains(" down"));
+        if !already {
+            let n = Nodes {
+                owned: false,
+                name: nodes.name.clone(),
+                ..nodes
+            };
+            let started = tokio::task::spawn_blocking(move || n.run(&["start"]))
+                .await
+                .expect("cluster.sh task");
+            if let Err(e) = started {
+                panic!(
+                    "{e}\nThe disruptive tests start their own RabbitMQ node(s) with \
+                     scripts/cluster.sh; it needs the rabbitmq-server package (run it as root \
+                     or as the user owning ~/.erlang.cookie)."
+                );
+            }
+            nodes.owned = true;
+        }
+        nodes
+    }
+
+    pub fn amqp_url(&self, i: u32) -> String {
+        format!(
+            "amqp://guest:guest@127.0.0.1:{}/%2f",
+            u32::from(self.base_port) + i - 1
+        )
+    }
+
+    pub fn mgmt_url(&self, i: u32) -> String {
+        format!(
+            "http://127.0.0.1:{}",
+            u32::from(self.base_port) + 10000 + i - 1
+        )
+    }
+
+    pub fn node_name(&self, i: u32) -> String {
+        format!("{}-{i}@localhost", self.name)
+    }
+
+    /// `scripts/cluster.sh` with `args`, off the async runtime; panics on failure.
+    pub async fn script(&self, args: &[&str]) -> String {
+        let n = Nodes {
+            owned: false,
+            name: self.name.clone(),
+            ..*self
+        };
+        let args: Vec<String> = args.iter().map(|s| (*s).to_owned()).collect();
+        tokio::task::spawn_blocking(move || {
+            let refs: Vec<&str> = args.iter().map(String::as_str).collect();
+            n.run(&refs)
+        })
+        .await
+        .expect("cluster.sh task")
+        .unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    /// `rabbitmqctl -n <node i> eval <expr>`; the printed result.
+    pub async fn eval(&self, i: u32, expr: &str) -> String {
+        let full = vec![
+            "-n".to_owned(),
+            self.node_name(i),
+            "eval".to_owned(),
+            expr.to_owned(),
+        ];
+        let out =
+            tokio::task::spawn_blocking(move || Command::new("rabbitmqctl").args(&full).output())
+                .await
+                .expect("rabbitmqctl task")
+                .expect("run rabbitmqctl");
+        String::from_utf8_lossy(&out.stdout).trim().to_owned()
+    }
+
+    /// `rabbitmqctl -n <node i> args...` (through the script's user handling).
+    pub async fn rabbitmqctl(&self, i: u32, args: &[&str]) {
+        let node = self.node_name(i);
+        let mut full = vec!["-n".to_owned(), node];
+        full.extend(args.iter().map(|s| (*s).to_owned()));
+        let out =
+            tokio::task::spawn_blocking(move || Command::new("rabbitmqctl").args(&full).output())
+                .await
+                .expect("rabbitmqctl task")
+                .expect("run rabbitmqctl");
+        assert!(
+            out.status.success(),
+            "rabbitmqctl {args:?} failed: {}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+}
+
+impl Drop for Nodes {
+    fn drop(&mut self) {
+        if self.owned {
+            if let Err(e) = self.run(&["clean"]) {
+                eprintln!("{e}");
+            }
+        }
+    }
+}

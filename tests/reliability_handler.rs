@@ -1,0 +1,135 @@
+//! Handler faults: panics and hangs past the per-message timeout. The worker process survives
+//! both, retries the message like any transient failure, and dead-letters what keeps failing;
+//! nothing is lost.
+
+mod reliability;
+
+use std::collections::{HashMap, HashSet};
+use std::time::{Duration, Instant};
+
+use reliability::{report, Scenario, Shape};
+
+const MAX_RETRIES: u32 = 3;
+
+/// Calls per id and attempt, from the worker's calls file.
+fn calls_per_id(s: &Scenario) -> HashMap<String, Vec<(u32, String)>> {
+    let mut m: HashMap<String, Vec<(u32, String)>> = HashMap::new();
+    for (id, attempt, what) in s.calls() {
+        m.entry(id).or_default().push((attempt, what));
+    }
+    m
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn handler_panics_are_retried_and_the_worker_survives() {
+    const N: usize = 600;
+    let s = Scenario::new("panic", Shape::default()).await;
+    s.run(|s| async move {
+        let started = Instant::now();
+        let mut ids = s.publish(N).await;
+        // Plus messages that panic on every attempt: they must end in the DLQ after
+        // MAX_RETRIES retries, with the worker still serving.
+        let always: Vec<String> = (0..10).map(|i| format!("{}always-{i}", s.prefix)).collect();
+        s.publish_ids(&always, |_| Some("panic")).await;
+        ids.extend(always.iter().cloned());
+        let set: HashSet<String> = ids.iter().cloned().collect();
+        let mut w = s
+            .worker()
+            .arg("panic-rate", 0.3)
+            .arg("seed", 5)
+            .arg("max-retries", MAX_RETRIES)
+            .arg("retry-base-ms", 20)
+            .arg("retry-cap-ms", 200)
+            .arg("concurrency", 10)
+            .spawn("w");
+        let settled = s.wait_settled(&set, Duration::from_secs(90)).await;
+        assert!(w.is_running(), "the worker died:\n{}", w.log_tail(30));
+        w.terminate(Duration::from_secs(10)).await;
+        let acc = s.account(&ids).await;
+        acc.assert_settled("handler panics");
+
+        let calls = calls_per_id(&s);
+        let panics = s.calls().iter().filter(|c| c.2 == "panic").count();
+        for id in &always {
+            let attempts: Vec<u32> = calls[id].iter().map(|c| c.0).collect();
+            assert_eq!(
+                attempts.len() as u32,
+                MAX_RETRIES + 1,
+                "{id} should be tried exactly {} times, was tried at attempts {attempts:?}",
+                MAX_RETRIES + 1
+            );
+            let dead = acc.dlq.iter().find(|g| &g.id == id);
+            let dead = dead.unwrap_or_else(|| panic!("{id} is not in the DLQ"));
+            assert_eq!(dead.death_reason().as_deref(), Some("rejected"));
+            // The copy that was rejected carries the previous attempt's error.
+            let last = dead
+                .header_str(redeliver::amqp::headers::LAST_ERROR)
+                .unwrap_or_default();
+            assert!(last.contains("panicked"), "last error of {id}: {last}");
+        }
+        report(format!(
+            "handler panics: {panics} panics in {} calls, worker alive; DLQ reasons {:?}; settled \
+             in {settled:?}, total {:?}",
+            s.calls().len(),
+            acc.dlq_reasons(),
+            started.elapsed()
+        ));
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn handlers_hanging_past_the_timeout_are_retried() {
+    const N: usize = 300;
+    const TIMEOUT_MS: u64 = 300;
+    let s = Scenario::new("hang", Shape::default()).await;
+    s.run(|s| async move {
+        let started = Instant::now();
+        let mut ids = s.publish(N).await;
+        let always: Vec<String> = (0..5).map(|i| format!("{}always-{i}", s.prefix)).collect();
+        s.publish_ids(&always, |_| Some("hang")).await;
+        ids.extend(always.iter().cloned());
+        let set: HashSet<String> = ids.iter().cloned().collect();
+        // A hang lasts 10 minutes: only the timeout can end it.
+        let mut w = s
+            .worker()
+            .arg("hang-rate", 0.2)
+            .arg("hang-ms", 600_000)
+            .arg("handler-timeout-ms", TIMEOUT_MS)
+            .arg("seed", 9)
+            .arg("max-retries", MAX_RETRIES)
+            .arg("retry-base-ms", 20)
+            .arg("retry-cap-ms", 200)
+            .arg("concurrency", 20)
+            .arg("prefetch", 40)
+            .spawn("w");
+        let settled = s.wait_settled(&set, Duration::from_secs(90)).await;
+        assert!(w.is_running(), "the worker died:\n{}", w.log_tail(30));
+        w.terminate(Duration::from_secs(10)).await;
+        let acc = s.account(&ids).await;
+        acc.assert_settled("handler hangs");
+        let calls = calls_per_id(&s);
+        for id in &always {
+            assert_eq!(
+                calls[id].len() as u32,
+                MAX_RETRIES + 1,
+                "{id}: {:?}",
+                calls[id]
+            );
+            assert!(
+                acc.dlq.iter().any(|g| &g.id == id),
+                "{id} is not in the DLQ"
+            );
+        }
+        let hangs = s.calls().iter().filter(|c| c.2 == "hang").count();
+        report(format!(
+            "handler hangs: {hangs} hangs cut at {TIMEOUT_MS} ms in {} calls, worker alive; \
+             settled in {settled:?}, total {:?}",
+            s.calls().len(),
+            started.elapsed()
+        ));
+        // Ten hangs of 10 minutes each: finishing at all proves the timeout cut them.
+        assert!(settled < Duration::from_secs(90));
+    })
+    .await;
+}
