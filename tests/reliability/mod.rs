@@ -25,15 +25,16 @@ use redeliver::lapin::options::{BasicGetOptions, BasicPublishOptions, QueueDecla
 use redeliver::lapin::types::{AMQPValue, FieldTable};
 use redeliver::lapin::{BasicProperties, Connection, ConnectionProperties};
 use redeliver::{DelayConfig, QueueType, Topology};
+use redeliver_testkit::mgmt;
 
 /// The default broker (AMQP_URL overrides).
 pub fn amqp_url() -> String {
-    std::env::var("AMQP_URL").unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into())
+    redeliver_testkit::amqp_url()
 }
 
 /// The default broker's management API (RABBITMQ_MGMT_URL overrides).
 pub fn mgmt_url() -> String {
-    std::env::var("RABBITMQ_MGMT_URL").unwrap_or_else(|_| "http://127.0.0.1:15672".into())
+    mgmt::url()
 }
 
 const HOW_TO_START: &str = "These tests need a real RabbitMQ (3.10+) with the management plugin: \
@@ -1076,53 +1077,13 @@ impl Drop for WorkerProc {
 // ---------------------------------------------------------------------------------------------
 // Management API (default broker unless told otherwise)
 
-fn mgmt_auth() -> String {
-    let user = std::env::var("RABBITMQ_MGMT_USER").unwrap_or_else(|_| "guest".into());
-    let pass = std::env::var("RABBITMQ_MGMT_PASSWORD").unwrap_or_else(|_| "guest".into());
-    format!("Basic {}", base64(format!("{user}:{pass}").as_bytes()))
-}
-
-fn base64(input: &[u8]) -> String {
-    const T: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
-    let mut out = String::new();
-    for chunk in input.chunks(3) {
-        let b = [
-            chunk[0],
-            chunk.get(1).copied().unwrap_or(0),
-            chunk.get(2).copied().unwrap_or(0),
-        ];
-        let n = (u32::from(b[0]) << 16) | (u32::from(b[1]) << 8) | u32::from(b[2]);
-        for i in 0..4 {
-            if i <= chunk.len() {
-                out.push(T[((n >> (18 - 6 * i)) & 63) as usize] as char);
-            } else {
-                out.push('=');
-            }
-        }
-    }
-    out
-}
-
-/// Percent-encodes a path segment (connection names contain spaces, `:` and `>`).
-fn pct(s: &str) -> String {
-    let mut out = String::new();
-    for b in s.bytes() {
-        if b.is_ascii_alphanumeric() || b"-._~".contains(&b) {
-            out.push(b as char);
-        } else {
-            out.push_str(&format!("%{b:02X}"));
-        }
-    }
-    out
-}
-
 /// Management names of the connections whose client-provided name is exactly `name`.
 pub async fn connections_named(mgmt: &str, name: &str) -> Vec<String> {
     let url = format!("{mgmt}/api/connections?columns=name,client_properties");
     let name = name.to_owned();
     tokio::task::spawn_blocking(move || {
         let mut resp = ureq::get(&url)
-            .header("Authorization", &mgmt_auth())
+            .header("Authorization", &mgmt::auth())
             .call()
             .unwrap_or_else(|e| panic!("GET {url}: {e}\n{HOW_TO_START}"));
         let list: serde_json::Value = resp.body_mut().read_json().expect("connections JSON");
@@ -1144,9 +1105,9 @@ pub async fn close_connections(mgmt: &str, names: Vec<String>) -> usize {
     tokio::task::spawn_blocking(move || {
         let mut closed = 0;
         for n in names {
-            let url = format!("{mgmt}/api/connections/{}", pct(&n));
+            let url = format!("{mgmt}/api/connections/{}", mgmt::pct(&n));
             match ureq::delete(&url)
-                .header("Authorization", &mgmt_auth())
+                .header("Authorization", &mgmt::auth())
                 .header("X-Reason", "reliability suite: forced close")
                 .call()
             {

@@ -14,7 +14,9 @@ pub fn url() -> String {
     std::env::var("RABBITMQ_MGMT_URL").unwrap_or_else(|_| "http://127.0.0.1:15672".into())
 }
 
-fn auth() -> String {
+/// The `Authorization` header value for `RABBITMQ_MGMT_USER` / `RABBITMQ_MGMT_PASSWORD`
+/// (default `guest`/`guest`); also for the management API of extra nodes at other ports.
+pub fn auth() -> String {
     let user = std::env::var("RABBITMQ_MGMT_USER").unwrap_or_else(|_| "guest".into());
     let pass = std::env::var("RABBITMQ_MGMT_PASSWORD").unwrap_or_else(|_| "guest".into());
     format!("Basic {}", base64(format!("{user}:{pass}").as_bytes()))
