@@ -6,7 +6,7 @@
 //! |---|---|---|
 //! | `Q` | quorum (default) or classic queue | `x-dead-letter-exchange = Q.dlx`, `x-dead-letter-routing-key = Q`; quorum: `x-delivery-limit` (default 20), `x-dead-letter-strategy = at-least-once`, `x-overflow = reject-publish` |
 //! | `Q.dlx` | direct exchange | |
-//! | `Q.dlq` | queue bound to `Q.dlx` with key `Q` | optional `x-message-ttl`, `x-max-length` |
+//! | `Q.dlq` | classic (default) or quorum queue bound to `Q.dlx` with key `Q` | optional `x-message-ttl`, `x-max-length`; quorum: `x-queue-type = quorum` |
 //!
 //! Every declaration runs on a channel this crate opens and closes itself: a 406
 //! PRECONDITION_FAILED closes the channel it happens on, and it should never be one of yours.
@@ -107,6 +107,7 @@ pub struct Topology {
     delivery_limit: Option<u32>,
     dlq_message_ttl: Option<Duration>,
     dlq_max_length: Option<u64>,
+    dlq_queue_type: QueueType,
     bindings: Vec<Binding>,
     delay: DelayConfig,
     delay_given: bool,
@@ -122,6 +123,7 @@ impl Topology {
             delivery_limit: Some(20),
             dlq_message_ttl: None,
             dlq_max_length: None,
+            dlq_queue_type: QueueType::Classic,
             bindings: Vec::new(),
             delay: DelayConfig::default(),
             delay_given: false,
@@ -163,6 +165,24 @@ impl Topology {
         self
     }
 
+    /// Type of `Q.dlq`: classic by default (one node holds it). On a cluster choose
+    /// [`QueueType::Quorum`], so dead letters survive the loss of the node that holds them, as the
+    /// work queue's messages do.
+    ///
+    /// The type of an existing queue cannot change: declaring `Q.dlq` with another type fails with
+    /// [`TopologyError::Mismatch`]; empty it first (`redeliver dlq replay` sends its messages back to the work queue),
+    /// delete it, then declare again.
+    ///
+    /// ```
+    /// use redeliver_amqp::topology::{QueueType, Topology};
+    /// let topo = Topology::new("images").dlq_queue_type(QueueType::Quorum);
+    /// assert_eq!(topo.get_dlq_queue_type(), QueueType::Quorum);
+    /// ```
+    pub fn dlq_queue_type(mut self, t: QueueType) -> Self {
+        self.dlq_queue_type = t;
+        self
+    }
+
     /// `x-max-length` of `Q.dlq`; unbounded by default.
     pub fn dlq_max_length(mut self, n: u64) -> Self {
         self.dlq_max_length = Some(n);
@@ -199,6 +219,11 @@ impl Topology {
     /// The consumer queue's type.
     pub fn get_queue_type(&self) -> QueueType {
         self.queue_type
+    }
+
+    /// The dead-letter queue's type.
+    pub fn get_dlq_queue_type(&self) -> QueueType {
+        self.dlq_queue_type
     }
 
     /// The configured delivery limit.
@@ -248,6 +273,9 @@ impl Topology {
     /// Arguments of the dead-letter queue.
     pub fn dlq_arguments(&self) -> FieldTable {
         let mut t = FieldTable::default();
+        if self.dlq_queue_type == QueueType::Quorum {
+            t.insert("x-queue-type".into(), text("quorum"));
+        }
         if let Some(d) = self.dlq_message_ttl {
             let ms = i64::try_from(d.as_millis()).unwrap_or(i64::MAX);
             t.insert("x-message-ttl".into(), AMQPValue::LongLongInt(ms));
@@ -713,6 +741,11 @@ mod tests {
         assert_eq!(
             describe_args(&d.dlq_arguments()),
             "{x-max-length = 5, x-message-ttl = 1000}"
+        );
+        let q = Topology::new("o").dlq_queue_type(QueueType::Quorum);
+        assert_eq!(
+            describe_args(&q.dlq_arguments()),
+            r#"{x-queue-type = "quorum"}"#
         );
     }
 

@@ -4,7 +4,8 @@ mod common;
 use redeliver_amqp::headers::x_death;
 use redeliver_amqp::lapin::options::{BasicAckOptions, BasicNackOptions, BasicRejectOptions};
 use redeliver_amqp::lapin::BasicProperties;
-use redeliver_amqp::{DelayConfig, Publisher, Topology};
+use redeliver_amqp::topology::QueueType;
+use redeliver_amqp::{DelayConfig, Publisher, Topology, TopologyError};
 use std::time::Duration;
 
 fn topo(prefix: &str, queue: &str) -> Topology {
@@ -20,9 +21,37 @@ async fn cleanup(conn: &redeliver_amqp::lapin::Connection, t: &Topology) {
 
 #[tokio::test]
 async fn reject_goes_to_dlq_with_x_death() {
-    let conn = common::connect().await;
     let p = common::prefix();
-    let t = topo(&p, "rej");
+    reject_to_dlq(topo(&p, "rej")).await;
+}
+
+/// A quorum DLQ gets the same dead letters, and the broker really holds it as quorum: asking for
+/// a classic one on top is a typed mismatch.
+#[tokio::test]
+async fn quorum_dlq_gets_the_dead_letters() {
+    let p = common::prefix();
+    let t = topo(&p, "qdlq").dlq_queue_type(QueueType::Quorum);
+    reject_to_dlq(t.clone()).await;
+    let conn = common::connect().await;
+    common::with_cleanup(
+        async {
+            t.declare(&conn).await.expect("declare");
+            let classic = t.clone().dlq_queue_type(QueueType::Classic);
+            match classic.declare(&conn).await {
+                Err(TopologyError::Mismatch { object, .. }) => {
+                    assert!(object.contains(&t.dlq_name()), "{object}")
+                }
+                other => panic!("expected a mismatch on {}, got {other:?}", t.dlq_name()),
+            }
+        },
+        cleanup(&conn, &t),
+    )
+    .await;
+}
+
+/// Rejects one message of `t`'s queue and checks it in the DLQ with the broker's `x-death`.
+async fn reject_to_dlq(t: Topology) {
+    let conn = common::connect().await;
     common::with_cleanup(
         async {
             t.declare(&conn).await.unwrap();

@@ -155,6 +155,7 @@ async fn dispatch(cmd: Command, conn: &lapin::Connection) -> anyhow::Result<()> 
                     classic: false,
                     delivery_limit: 20,
                     no_delivery_limit: false,
+                    quorum_dlq: false,
                     dlq_message_ttl: None,
                     dlq_max_length: None,
                     bindings: Vec::new(),

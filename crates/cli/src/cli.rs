@@ -129,6 +129,9 @@ pub struct TopologyArgs {
     /// Declare a quorum Q without x-delivery-limit
     #[arg(long)]
     pub no_delivery_limit: bool,
+    /// Q.dlq is a quorum queue (survives the loss of a cluster node) instead of a classic one
+    #[arg(long)]
+    pub quorum_dlq: bool,
     /// Retention of Q.dlq (x-message-ttl), e.g. 14d; none by default
     #[arg(long, value_parser = parse_duration, value_name = "DURATION")]
     pub dlq_message_ttl: Option<Duration>,

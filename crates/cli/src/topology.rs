@@ -41,6 +41,11 @@ pub fn topology(a: &TopologyArgs) -> Topology {
         } else {
             Some(a.delivery_limit)
         })
+        .dlq_queue_type(if a.quorum_dlq {
+            QueueType::Quorum
+        } else {
+            QueueType::Classic
+        })
         .delay(delay_config(&a.prefix, &a.delay));
     if let Some(ttl) = a.dlq_message_ttl {
         t = t.dlq_message_ttl(ttl);
@@ -74,11 +79,12 @@ pub async fn declare(conn: &Connection, a: &TopologyArgs) -> anyhow::Result<()> 
         .await
         .with_context(|| format!("cannot declare the topology of '{}'", t.queue_name()))?;
     println!(
-        "declared queue '{}' ({}), exchange '{}', queue '{}' and {}",
+        "declared queue '{}' ({}), exchange '{}', queue '{}' ({}) and {}",
         t.queue_name(),
         if a.classic { "classic" } else { "quorum" },
         t.dlx_name(),
         t.dlq_name(),
+        t.get_dlq_queue_type().as_str(),
         describe_delay(a)
     );
     Ok(())

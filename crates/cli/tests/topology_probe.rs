@@ -77,6 +77,15 @@ async fn declare_verify_show_and_mismatch() {
     assert!(out.stderr.contains("argument 'x-"), "{}", out.stderr);
     assert!(out.stderr.contains("hint:"), "{}", out.stderr);
 
+    // The DLQ was declared classic (the default); --quorum-dlq asks for another type.
+    let out = run(&["topology", "declare", "shop", "--quorum-dlq"]);
+    assert_eq!(out.code, 1, "{out:?}");
+    assert!(
+        out.stderr.contains(&format!("queue '{p}shop.dlq'")),
+        "{}",
+        out.stderr
+    );
+
     // delete refuses without --yes.
     let out = run(&["topology", "delete", "shop"]);
     assert_eq!(out.code, 2, "{out:?}");
