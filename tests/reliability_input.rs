@@ -430,16 +430,15 @@ async fn bad_input_ends_in_the_dlq_and_the_worker_keeps_serving() {
     .await;
 }
 
-/// Malformed `x-death` headers that RabbitMQ 3.10.8's own dead-lettering crashes on. The promise
-/// (every message ends in the DLQ, nothing lost, the worker keeps serving) does not hold on
-/// 3.10.8 today: see RELIABILITY.md ("forged x-death"). Run on a dedicated node, never on the
-/// shared broker: on a quorum queue the crash escalates to the node-wide supervisor of every
-/// quorum queue's dead-letter worker, after which no at-least-once quorum queue on the node
-/// dead-letters any more (retries through the delay levels stall too).
+/// Malformed `x-death` headers that RabbitMQ 3.10.8's own dead-lettering crashes on (RELIABILITY.md,
+/// "Findings"). The worker republishes such a message without the bad entries before anything can
+/// make the broker dead-letter it, so the promise holds: every message ends in the DLQ or
+/// succeeded, and dead-lettering keeps working for what comes after. Runs on a dedicated node,
+/// never on the shared broker: should the worker ever let one through, the crash on a quorum
+/// queue takes down the node-wide supervisor of every quorum queue's dead-letter worker.
 ///
-/// `cargo test --test reliability_input -- --ignored malformed_x_death`
+/// `cargo test --test reliability_input malformed_x_death -- --nocapture`
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "fails on RabbitMQ 3.10.8 (broker bug) until the worker sanitizes x-death before rejecting; needs its own node (scripts/cluster.sh)"]
 async fn malformed_x_death_reaches_the_dlq_without_breaking_dead_lettering() {
     let nodes = reliability::Nodes::start("rdpoison", 1, 5693, false).await;
     let mut failures = Vec::new();

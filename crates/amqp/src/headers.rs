@@ -27,6 +27,9 @@ pub const ORIGINAL_ROUTING_KEY: &str = "x-redeliver-original-routing-key";
 pub const DELAY_MS: &str = "x-redeliver-delay-ms";
 /// Why a message was dead-lettered (reserved; informative only).
 pub const DEAD_LETTER_REASON: &str = "x-redeliver-dead-letter-reason";
+/// Set on a copy whose malformed `x-death` the worker removed before the broker could read it
+/// (see [`sanitize_x_death`]); the value names what was removed.
+pub const SANITIZED: &str = "x-redeliver-sanitized";
 /// Maximum size of [`LAST_ERROR`] in bytes.
 pub const LAST_ERROR_MAX_BYTES: usize = 1024;
 
@@ -201,6 +204,60 @@ pub fn x_death(headers: Option<&FieldTable>) -> Vec<XDeath> {
         .collect()
 }
 
+/// The headers with a malformed `x-death` repaired, or `None` when there is nothing to repair.
+///
+/// RabbitMQ (3.10 at least) rewrites `x-death` whenever it dead-letters a message, and its code
+/// crashes on an array element that is not a table or on a `count` that is not an integer: on a
+/// quorum queue the crash takes down dead-lettering for every quorum queue of the node, on a
+/// classic queue the message is lost (RELIABILITY.md, "Findings"). Any publisher can send such a
+/// header, so a worker must never let the broker dead-letter a message carrying one.
+///
+/// Repair keeps the entries that are tables with an integer (or absent) `count`, drops the rest
+/// (the whole header when nothing is left) and records [`SANITIZED`]. An `x-death` that is not an
+/// array at all is left alone: the broker replaces it without reading it.
+///
+/// ```
+/// use redeliver_amqp::headers::{sanitize_x_death, SANITIZED, X_DEATH};
+/// use redeliver_amqp::lapin::types::{AMQPValue, FieldArray, FieldTable};
+///
+/// let mut h = FieldTable::default();
+/// h.insert(X_DEATH.into(), AMQPValue::FieldArray(FieldArray::from(vec![AMQPValue::LongLongInt(7)])));
+/// let repaired = sanitize_x_death(Some(&h)).expect("malformed");
+/// assert!(!repaired.contains_key(X_DEATH));
+/// assert!(repaired.contains_key(SANITIZED));
+/// assert!(sanitize_x_death(None).is_none());
+/// ```
+pub fn sanitize_x_death(headers: Option<&FieldTable>) -> Option<FieldTable> {
+    let headers = headers?;
+    let Some(AMQPValue::FieldArray(entries)) = headers.inner().get(X_DEATH) else {
+        return None;
+    };
+    let well_formed = |e: &AMQPValue| match e {
+        AMQPValue::FieldTable(t) => t.inner().get("count").is_none_or(is_integer),
+        _ => false,
+    };
+    if entries.as_slice().iter().all(well_formed) {
+        return None;
+    }
+    let kept: Vec<AMQPValue> = entries
+        .as_slice()
+        .iter()
+        .filter(|e| well_formed(e))
+        .cloned()
+        .collect();
+    let mut map: BTreeMap<ShortString, AMQPValue> = headers.inner().clone();
+    if kept.is_empty() {
+        map.remove(X_DEATH);
+    } else {
+        map.insert(X_DEATH.into(), AMQPValue::FieldArray(kept.into()));
+    }
+    map.insert(
+        SANITIZED.into(),
+        AMQPValue::LongString(LongString::from("malformed x-death entries removed")),
+    );
+    Some(FieldTable::from(map))
+}
+
 /// The headers for a retried copy: every header of `original` except `x-death`,
 /// `x-first-death-*`, `x-last-death-*`, `x-delivery-count` (all owned by the broker) and our own
 /// `x-redeliver-*`, then `state` written on top.
@@ -278,6 +335,20 @@ fn as_u64(v: &AMQPValue) -> Option<u64> {
         AMQPValue::Timestamp(t) => Some(t),
         _ => None,
     }
+}
+
+/// Any AMQP integer type: what the broker can add 1 to.
+fn is_integer(v: &AMQPValue) -> bool {
+    matches!(
+        v,
+        AMQPValue::ShortShortInt(_)
+            | AMQPValue::ShortShortUInt(_)
+            | AMQPValue::ShortInt(_)
+            | AMQPValue::ShortUInt(_)
+            | AMQPValue::LongInt(_)
+            | AMQPValue::LongUInt(_)
+            | AMQPValue::LongLongInt(_)
+    )
 }
 
 /// A UTF-8 string value (long or short string); invalid UTF-8 and other types are `None`.
@@ -376,6 +447,50 @@ mod tests {
                 time: Some(1_700_000_000),
             }]
         );
+    }
+
+    #[test]
+    fn sanitize_keeps_good_entries_and_drops_the_rest() {
+        let good = AMQPValue::FieldTable(table(vec![
+            ("count", AMQPValue::LongLongInt(2)),
+            ("queue", AMQPValue::LongString("q".into())),
+        ]));
+        let no_count =
+            AMQPValue::FieldTable(table(vec![("queue", AMQPValue::LongString("q".into()))]));
+        let text_count =
+            AMQPValue::FieldTable(table(vec![("count", AMQPValue::LongString("many".into()))]));
+        let arr = |v: Vec<AMQPValue>| {
+            table(vec![
+                (X_DEATH, AMQPValue::FieldArray(FieldArray::from(v))),
+                ("tenant", AMQPValue::LongString("acme".into())),
+            ])
+        };
+        // Well-formed, empty, or not an array: nothing to repair.
+        assert!(sanitize_x_death(Some(&arr(vec![good.clone(), no_count.clone()]))).is_none());
+        assert!(sanitize_x_death(Some(&arr(vec![]))).is_none());
+        let not_array = table(vec![(X_DEATH, AMQPValue::LongString("x".into()))]);
+        assert!(sanitize_x_death(Some(&not_array)).is_none());
+        assert!(sanitize_x_death(Some(&FieldTable::default())).is_none());
+
+        let fixed = sanitize_x_death(Some(&arr(vec![
+            AMQPValue::LongLongInt(7),
+            good.clone(),
+            text_count,
+            no_count.clone(),
+        ])))
+        .expect("malformed");
+        assert_eq!(
+            fixed.inner().get(X_DEATH),
+            Some(&AMQPValue::FieldArray(FieldArray::from(vec![
+                good, no_count
+            ])))
+        );
+        assert!(fixed.contains_key("tenant"));
+        assert!(fixed.contains_key(SANITIZED));
+        assert!(sanitize_x_death(Some(&fixed)).is_none(), "repair is final");
+
+        let only_junk = sanitize_x_death(Some(&arr(vec![AMQPValue::Void]))).expect("malformed");
+        assert!(!only_junk.contains_key(X_DEATH));
     }
 
     #[test]

@@ -3,7 +3,7 @@
 //!
 //! | variable | builder method / use | format | default |
 //! |---|---|---|---|
-//! | `AMQP_URL` | [`Worker::builder`] | `amqp://user:pass@host:5672/vhost` (vhost `/` is `%2f`) | `amqp://guest:guest@127.0.0.1:5672/%2f` |
+//! | `AMQP_URL` | [`Worker::builder`], then [`failover_urls`](WorkerBuilder::failover_urls) | `amqp://user:pass@host:5672/vhost` (vhost `/` is `%2f`); several separated by `;` (as Celery's `broker_url`) | `amqp://guest:guest@127.0.0.1:5672/%2f` |
 //! | `REDELIVER_QUEUE` | [`queue`](WorkerBuilder::queue) | queue name | the one set in code |
 //! | `REDELIVER_PREFIX` | [`prefix`](WorkerBuilder::prefix) | name prefix of every object | none |
 //! | `REDELIVER_PREFETCH` | [`prefetch`](WorkerBuilder::prefetch) | integer 1..=65535 | 2 × concurrency |
@@ -53,7 +53,7 @@ use redeliver_core::RetryPolicy;
 
 use crate::{Worker, WorkerBuilder};
 
-/// `AMQP_URL`: the broker URL.
+/// `AMQP_URL`: the broker URL, or several separated by `;` (cluster nodes, tried in turn).
 pub const AMQP_URL: &str = "AMQP_URL";
 /// `REDELIVER_QUEUE`: the queue to consume.
 pub const QUEUE: &str = "REDELIVER_QUEUE";
@@ -169,8 +169,11 @@ impl FromStr for LogFormat {
 #[derive(Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct Config {
-    /// `AMQP_URL` (validated).
+    /// `AMQP_URL` (validated); the first URL when it lists several.
     pub amqp_url: String,
+    /// The other URLs `AMQP_URL` lists after the first (validated), for
+    /// [`failover_urls`](WorkerBuilder::failover_urls); usually empty.
+    pub failover_urls: Vec<String>,
     /// `REDELIVER_QUEUE`.
     pub queue: Option<String>,
     /// `REDELIVER_PREFIX`.
@@ -206,6 +209,7 @@ impl Default for Config {
     fn default() -> Self {
         Self {
             amqp_url: DEFAULT_AMQP_URL.to_owned(),
+            failover_urls: Vec::new(),
             queue: None,
             prefix: None,
             prefetch: None,
@@ -229,6 +233,14 @@ impl fmt::Debug for Config {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Config")
             .field("amqp_url", &redact_url(&self.amqp_url))
+            .field(
+                "failover_urls",
+                &self
+                    .failover_urls
+                    .iter()
+                    .map(|u| redact_url(u))
+                    .collect::<Vec<_>>(),
+            )
             .field("queue", &self.queue)
             .field("prefix", &self.prefix)
             .field("prefetch", &self.prefetch)
@@ -294,16 +306,22 @@ impl Config {
             Ok(get(name)?.filter(|v| !v.trim().is_empty()))
         };
         let mut cfg = Config::default();
-        if let Some(url) = var(AMQP_URL)? {
-            let url = url.trim().to_owned();
-            if let Err(e) = AMQPUri::from_str(&url) {
-                return Err(ConfigError::new(
-                    AMQP_URL,
-                    &redact_url(&url),
-                    format!("not an AMQP URL ({e}); expected amqp://user:pass@host:5672/%2f"),
-                ));
+        if let Some(value) = var(AMQP_URL)? {
+            let mut urls = Vec::new();
+            for url in value.split(';').map(str::trim).filter(|u| !u.is_empty()) {
+                if let Err(e) = AMQPUri::from_str(url) {
+                    return Err(ConfigError::new(
+                        AMQP_URL,
+                        &redact_url(url),
+                        format!("not an AMQP URL ({e}); expected amqp://user:pass@host:5672/%2f, several separated by `;`"),
+                    ));
+                }
+                urls.push(url.to_owned());
             }
-            cfg.amqp_url = url;
+            if let Some((first, rest)) = urls.split_first() {
+                cfg.amqp_url = first.clone();
+                cfg.failover_urls = rest.to_vec();
+            }
         }
         cfg.queue = var(QUEUE)?.map(|v| v.trim().to_owned());
         // Not trimmed: a prefix is taken literally (it may end with a separator like `-`).
@@ -347,16 +365,20 @@ impl Config {
         self.apply(Worker::builder(self.amqp_url.clone()))
     }
 
-    /// Applies the settings that are set to `builder`, overriding what it had: queue, prefix,
-    /// prefetch, concurrency, grace period, handler timeout, verify-only and connection name.
+    /// Applies the settings that are set to `builder`, overriding what it had: failover URLs,
+    /// queue, prefix, prefetch, concurrency, grace period, handler timeout, verify-only and
+    /// connection name.
     /// Setters called after this win over the environment.
     ///
-    /// Not applied: the URL (given to [`Worker::builder`]), the retry settings (use
+    /// Not applied: the first URL (given to [`Worker::builder`]), the retry settings (use
     /// [`policy`](Self::policy), since a builder's policy cannot be read back and amended), the
     /// health address and the log settings (process-wide, for the service to use). A
     /// `REDELIVER_QUEUE` has no effect on a builder given a whole
     /// [`topology`](WorkerBuilder::topology), which names its own queue.
     pub fn apply(&self, mut builder: WorkerBuilder) -> WorkerBuilder {
+        if !self.failover_urls.is_empty() {
+            builder = builder.failover_urls(self.failover_urls.clone());
+        }
         if let Some(q) = &self.queue {
             builder = builder.queue(q.clone());
         }
@@ -489,7 +511,7 @@ fn socket_addr(v: &str) -> Result<SocketAddr, String> {
 }
 
 /// `amqp://user:secret@host` -> `amqp://user:***@host`.
-fn redact_url(url: &str) -> String {
+pub(crate) fn redact_url(url: &str) -> String {
     let Some(scheme_end) = url.find("://").map(|i| i + 3) else {
         return url.to_owned();
     };
@@ -601,6 +623,29 @@ mod tests {
         let c = cfg(&[(AMQP_URL, "amqp://user:hunter2@host:5672/%2f")]).unwrap();
         assert!(!format!("{c:?}").contains("hunter2"));
         assert_eq!(c.redacted_url(), "amqp://user:***@host:5672/%2f");
+    }
+
+    #[test]
+    fn several_urls_separated_by_semicolons() {
+        let c = cfg(&[(
+            AMQP_URL,
+            " amqp://u:p1@rabbit-0:5672/%2f ; amqp://u:p2@rabbit-1:5672/%2f;amqp://u:p3@rabbit-2/%2f;",
+        )])
+        .unwrap();
+        assert_eq!(c.amqp_url, "amqp://u:p1@rabbit-0:5672/%2f");
+        assert_eq!(
+            c.failover_urls,
+            ["amqp://u:p2@rabbit-1:5672/%2f", "amqp://u:p3@rabbit-2/%2f"]
+        );
+        let shown = format!("{c:?}");
+        assert!(!shown.contains("p2") && !shown.contains("p3"), "{shown}");
+        let err = cfg(&[(AMQP_URL, "amqp://rabbit-0/%2f;http://u:hunter2@rabbit-1/")]).unwrap_err();
+        assert_eq!(err.var(), AMQP_URL);
+        assert!(!err.to_string().contains("hunter2"), "{err}");
+        assert!(cfg(&[(AMQP_URL, "amqp://rabbit-0/%2f")])
+            .unwrap()
+            .failover_urls
+            .is_empty());
     }
 
     #[test]

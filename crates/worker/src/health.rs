@@ -168,7 +168,7 @@ fn describe_worker_metrics() {
     );
     metrics::describe_counter!(
         m::MESSAGES_SUCCEEDED,
-        "Deliveries whose handler succeeded and whose ack the broker accepted."
+        "Deliveries whose handler succeeded and whose ack was sent to the broker."
     );
     metrics::describe_counter!(
         m::MESSAGES_RETRIED,
@@ -177,6 +177,10 @@ fn describe_worker_metrics() {
     metrics::describe_counter!(
         m::MESSAGES_DEAD_LETTERED,
         "Deliveries rejected to the dead-letter queue, by reason."
+    );
+    metrics::describe_counter!(
+        m::MESSAGES_SANITIZED,
+        "Deliveries republished without their malformed x-death header (it crashes the broker's dead-lettering)."
     );
     metrics::describe_counter!(
         m::SETTLE_FAILURES,

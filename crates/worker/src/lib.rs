@@ -86,9 +86,11 @@
 
 #![warn(missing_docs)]
 
+mod acks;
 pub mod config;
 mod handler;
 pub mod health;
+mod meters;
 pub mod metrics_names;
 mod outcome;
 mod session;

@@ -11,6 +11,7 @@
 //! | [`MESSAGES_SUCCEEDED`] | counter | `queue` |
 //! | [`MESSAGES_RETRIED`] | counter | `queue`, `attempt` |
 //! | [`MESSAGES_DEAD_LETTERED`] | counter | `queue`, `reason` |
+//! | [`MESSAGES_SANITIZED`] | counter | `queue` |
 //! | [`SETTLE_FAILURES`] | counter | `queue` |
 //! | [`HANDLER_DURATION`] | histogram (seconds) | `queue` |
 //! | [`IN_FLIGHT`] | gauge | `queue` |
@@ -29,6 +30,10 @@ pub const MESSAGES_RETRIED: &str = "redeliver_messages_retried_total";
 /// of [`REASON_PERMANENT`], [`REASON_RETRIES_EXHAUSTED`], [`REASON_BUDGET_EXHAUSTED`],
 /// [`REASON_UNDECODABLE`].
 pub const MESSAGES_DEAD_LETTERED: &str = "redeliver_messages_dead_lettered_total";
+/// Deliveries whose malformed `x-death` header the worker removed by republishing a repaired copy
+/// to the queue (see [`redeliver_amqp::headers::sanitize_x_death`]); the broker crashes when it
+/// dead-letters such a message.
+pub const MESSAGES_SANITIZED: &str = "redeliver_messages_sanitized_total";
 /// Acks, nacks or rejects that did not reach the broker (the delivery's channel died first). The
 /// broker redelivers those messages, so this counts future duplicates.
 pub const SETTLE_FAILURES: &str = "redeliver_settle_failures_total";

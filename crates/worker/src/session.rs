@@ -7,8 +7,8 @@ use std::time::{Duration, Instant};
 use futures::{FutureExt, StreamExt};
 use lapin::message::Delivery;
 use lapin::options::{
-    BasicAckOptions, BasicCancelOptions, BasicConsumeOptions, BasicNackOptions, BasicQosOptions,
-    BasicRejectOptions, QueueDeclareOptions,
+    BasicCancelOptions, BasicConsumeOptions, BasicNackOptions, BasicQosOptions, BasicRejectOptions,
+    QueueDeclareOptions,
 };
 use lapin::types::FieldTable;
 use lapin::{Channel, Connection, ConnectionProperties, Consumer, Event};
@@ -19,7 +19,9 @@ use tokio::sync::{Mutex, OwnedSemaphorePermit};
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, error, info, info_span, warn, Instrument, Span};
 
+use crate::acks::AckSender;
 use crate::handler::{Context, HandlerFuture};
+use crate::meters::Meters;
 use crate::metrics_names as m;
 use crate::outcome::{self, HandlerOutcome, Plan};
 use crate::worker::{Shared, WorkerError};
@@ -49,6 +51,9 @@ pub(crate) struct SessionShared {
     delay: DelayConfig,
     publisher: Mutex<Publisher>,
     username: String,
+    /// Acks of the consumer channel (batched); rejects and nacks go through each delivery's acker.
+    acks: AckSender,
+    meters: Meters,
 }
 
 impl SessionShared {
@@ -76,15 +81,15 @@ pub(crate) struct Session {
 }
 
 impl Session {
-    /// Connects, declares or verifies the topology, opens the publisher and the consumer
+    /// Connects to `url`, declares or verifies the topology, opens the publisher and the consumer
     /// channel with its prefetch, and starts consuming.
-    pub(crate) async fn open(worker: &Arc<Shared>) -> Result<Session, WorkerError> {
+    pub(crate) async fn open(worker: &Arc<Shared>, url: &str) -> Result<Session, WorkerError> {
         let config = &worker.config;
         let props = ConnectionProperties::default()
             .with_connection_name(config.connection_name.clone().into());
         // Lapin's own recovery stays off (DESIGN: it does not recover reliably); this loop owns
         // reconnection.
-        let connection = Arc::new(Connection::connect(&config.url, props).await?);
+        let connection = Arc::new(Connection::connect(url, props).await?);
         match Self::setup(worker, &connection).await {
             Ok(session) => Ok(session),
             Err(e) => {
@@ -122,6 +127,8 @@ impl Session {
             )
             .await?;
         let username = connection.status().username();
+        let meters = Meters::new(&config.queue);
+        let acks = AckSender::spawn(channel.clone(), meters.clone());
         let unroutable_poll = tokio::spawn(poll_unroutable(
             Arc::clone(connection),
             delay.unroutable_name(),
@@ -132,6 +139,8 @@ impl Session {
                 delay,
                 publisher: Mutex::new(publisher),
                 username,
+                acks,
+                meters,
             }),
             channel,
             consumer,
@@ -189,6 +198,7 @@ impl Session {
         delivery: Delivery,
         permit: OwnedSemaphorePermit,
     ) {
+        self.shared.acks.register(delivery.delivery_tag);
         let task = DeliveryTask {
             worker: Arc::clone(worker),
             session: Arc::clone(&self.shared),
@@ -225,6 +235,14 @@ impl Session {
         }
         drop(self.consumer);
         worker.drain_tasks().await;
+        // Before the channel closes: acks still batched would otherwise be lost with it, and
+        // those messages delivered twice.
+        if tokio::time::timeout(CLOSE_TIMEOUT, self.shared.acks.flush())
+            .await
+            .is_err()
+        {
+            warn!(queue = %queue, "flushing the last acks timed out");
+        }
         self.unroutable_poll.abort();
         if self.channel.status().connected() {
             if let Ok(Err(e)) = tokio::time::timeout(
@@ -287,22 +305,18 @@ async fn poll_unroutable(connection: Arc<Connection>, name: String) {
 }
 
 /// Keeps the in-flight gauge right on every exit path, panics included.
-struct InFlight {
-    queue: String,
-}
+struct InFlight<'a>(&'a metrics::Gauge);
 
-impl InFlight {
-    fn enter(queue: &str) -> Self {
-        metrics::gauge!(m::IN_FLIGHT, m::LABEL_QUEUE => queue.to_owned()).increment(1.0);
-        Self {
-            queue: queue.to_owned(),
-        }
+impl<'a> InFlight<'a> {
+    fn enter(gauge: &'a metrics::Gauge) -> Self {
+        gauge.increment(1.0);
+        Self(gauge)
     }
 }
 
-impl Drop for InFlight {
+impl Drop for InFlight<'_> {
     fn drop(&mut self) {
-        metrics::gauge!(m::IN_FLIGHT, m::LABEL_QUEUE => self.queue.clone()).decrement(1.0);
+        self.0.decrement(1.0);
     }
 }
 
@@ -338,9 +352,19 @@ impl DeliveryTask {
 
     async fn process(self, state: RetryState, message_id: String) {
         let queue = self.worker.config.queue.clone();
-        let _in_flight = InFlight::enter(&queue);
+        let meters = &self.session.meters;
+        let _in_flight = InFlight::enter(&meters.in_flight);
         let started = Instant::now();
-        metrics::counter!(m::MESSAGES_RECEIVED, m::LABEL_QUEUE => queue.clone()).increment(1);
+        meters.received.increment(1);
+        if let Some(repaired) =
+            headers::sanitize_x_death(self.delivery.properties.headers().as_ref())
+        {
+            // Before anything can make the broker dead-letter it (a reject, or a quorum queue's
+            // delivery limit): RabbitMQ crashes reading such a header.
+            let label = self.sanitize(repaired, &message_id).await;
+            Span::current().record("outcome", label);
+            return;
+        }
         if state.attempt == 0 {
             // Fresh message: a deposit in the retry budget (retries withdraw).
             self.worker.config.policy.record_attempt();
@@ -360,7 +384,8 @@ impl DeliveryTask {
             Ok(Ok(fut)) => {
                 let handler_started = Instant::now();
                 let result = self.call(fut).await;
-                metrics::histogram!(m::HANDLER_DURATION, m::LABEL_QUEUE => queue.clone())
+                meters
+                    .handler_duration
                     .record(handler_started.elapsed().as_secs_f64());
                 self.plan(result, &state)
             }
@@ -420,21 +445,23 @@ impl DeliveryTask {
         let queue = &self.worker.config.queue;
         let acker = &self.delivery.acker;
         match plan {
-            Plan::Ack => match acker.ack(BasicAckOptions::default()).await {
-                Ok(true) => {
-                    metrics::counter!(m::MESSAGES_SUCCEEDED, m::LABEL_QUEUE => queue.clone())
-                        .increment(1);
+            Plan::Ack => {
+                if self.session.acks.ack(self.delivery.delivery_tag, true) {
                     "acked"
+                } else {
+                    self.settle_failed("ack", Ok(false))
                 }
-                other => self.settle_failed("ack", other),
-            },
+            }
             Plan::Retry {
                 delay,
                 attempt,
                 error,
             } => self.retry(delay, attempt, &error, state, message_id).await,
             Plan::DeadLetter { reason, error } => {
-                match acker.reject(BasicRejectOptions { requeue: false }).await {
+                let rejected = acker.reject(BasicRejectOptions { requeue: false }).await;
+                // Only once the reject frame is out may a batched ack cover later tags.
+                self.session.acks.released(self.delivery.delivery_tag);
+                match rejected {
                     Ok(true) => {
                         metrics::counter!(m::MESSAGES_DEAD_LETTERED, m::LABEL_QUEUE => queue.clone(), m::LABEL_REASON => reason)
                             .increment(1);
@@ -512,12 +539,11 @@ impl DeliveryTask {
                     "retry scheduled"
                 );
                 // Only now, with the copy confirmed by the broker, may the original go.
-                match acker.ack(BasicAckOptions::default()).await {
-                    Ok(true) => "retried",
-                    other => {
-                        warn!(message_id = %message_id, "retry copy published but the original could not be acked: it will be delivered twice");
-                        self.settle_failed("ack after retry", other)
-                    }
+                if self.session.acks.ack(self.delivery.delivery_tag, false) {
+                    "retried"
+                } else {
+                    warn!(message_id = %message_id, "retry copy published but the original could not be acked: it will be delivered twice");
+                    self.settle_failed("ack after retry", Ok(false))
                 }
             }
             Err(e) => {
@@ -528,33 +554,78 @@ impl DeliveryTask {
                     handler_error = %error,
                     "retry copy not confirmed by the broker; requeueing the original"
                 );
-                if !acker.usable() {
-                    // Lost with the connection: nothing to requeue, the broker redelivers it.
-                    return self.settle_failed("nack", Ok(false));
-                }
-                tokio::select! {
-                    _ = tokio::time::sleep(REQUEUE_PAUSE) => {}
-                    _ = self.worker.hard_stop.cancelled() => {}
-                }
-                match acker
-                    .nack(BasicNackOptions {
-                        requeue: true,
-                        multiple: false,
-                    })
-                    .await
-                {
-                    Ok(true) => "requeued",
-                    other => self.settle_failed("nack", other),
+                self.requeue_after_pause().await
+            }
+        }
+    }
+
+    /// Republishes the delivery, with its `x-death` repaired, to the back of its own queue and
+    /// acks the original once the broker confirmed the copy. The copy is then processed like
+    /// any message (the handler never sees the original).
+    async fn sanitize(&self, repaired: lapin::types::FieldTable, message_id: &str) -> &'static str {
+        let queue = &self.worker.config.queue;
+        if !self.delivery.acker.usable() {
+            return self.settle_failed("sanitize", Ok(false));
+        }
+        let props = outcome::retry_copy_properties(
+            &self.delivery.properties,
+            repaired,
+            &self.session.username,
+        );
+        // The default exchange routes to the queue by name, whatever its bindings.
+        let published = match self.session.publisher().await {
+            Ok(p) => p.publish_bytes("", queue, &self.delivery.data, props).await,
+            Err(e) => Err(e),
+        };
+        match published {
+            Ok(()) => {
+                self.session.meters.sanitized.increment(1);
+                warn!(
+                    message_id = %message_id,
+                    "malformed x-death header (RabbitMQ cannot dead-letter it): republished the message without the bad entries"
+                );
+                if self.session.acks.ack(self.delivery.delivery_tag, false) {
+                    "sanitized"
+                } else {
+                    self.settle_failed("ack after sanitize", Ok(false))
                 }
             }
+            Err(e) => {
+                error!(message_id = %message_id, error = %e, "copy without the malformed x-death not confirmed by the broker; requeueing the original");
+                self.requeue_after_pause().await
+            }
+        }
+    }
+
+    /// Gives a message whose copy could not be published back to the queue, after
+    /// [`REQUEUE_PAUSE`].
+    async fn requeue_after_pause(&self) -> &'static str {
+        let acker = &self.delivery.acker;
+        if !acker.usable() {
+            // Lost with the connection: nothing to requeue, the broker redelivers it.
+            return self.settle_failed("nack", Ok(false));
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(REQUEUE_PAUSE) => {}
+            _ = self.worker.hard_stop.cancelled() => {}
+        }
+        let nacked = acker
+            .nack(BasicNackOptions {
+                requeue: true,
+                multiple: false,
+            })
+            .await;
+        self.session.acks.released(self.delivery.delivery_tag);
+        match nacked {
+            Ok(true) => "requeued",
+            other => self.settle_failed("nack", other),
         }
     }
 
     /// An ack/nack/reject that did not reach the broker: never a success. The message will be
     /// redelivered (`redelivered = true`), so this counts a future duplicate.
     fn settle_failed(&self, op: &str, result: Result<bool, lapin::Error>) -> &'static str {
-        let queue = &self.worker.config.queue;
-        metrics::counter!(m::SETTLE_FAILURES, m::LABEL_QUEUE => queue.clone()).increment(1);
+        self.session.meters.settle_failures.increment(1);
         match result {
             Ok(_) => warn!(
                 op,

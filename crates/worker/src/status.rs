@@ -1,6 +1,7 @@
 //! Readiness of a worker, observable from outside its task (health endpoints, tests).
 
 use std::fmt;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
@@ -79,7 +80,11 @@ impl fmt::Display for WorkerState {
 pub struct WorkerStatus {
     rx: watch::Receiver<WorkerState>,
     queue: Arc<OnceLock<String>>,
+    broker: Arc<AtomicUsize>,
 }
+
+/// [`WorkerStatus::broker`] before the first connection.
+const NO_BROKER: usize = usize::MAX;
 
 impl WorkerStatus {
     /// The state right now.
@@ -97,6 +102,18 @@ impl WorkerStatus {
     /// the worker is built (the builder may still change the queue).
     pub fn queue(&self) -> Option<&str> {
         self.queue.get().map(String::as_str)
+    }
+
+    /// Which URL the worker connected through last: 0 for the one given to
+    /// [`Worker::builder`](crate::Worker::builder), `i` for the `i`-th of its
+    /// [`failover_urls`](crate::WorkerBuilder::failover_urls). Set before the state turns
+    /// [`Consuming`](WorkerState::Consuming), so a watcher woken by that change reads the new
+    /// value; `None` until the first connection.
+    pub fn broker(&self) -> Option<usize> {
+        match self.broker.load(Ordering::Acquire) {
+            NO_BROKER => None,
+            i => Some(i),
+        }
     }
 
     /// Waits until the state satisfies `pred` (checked on the current value first). Returns the
@@ -132,6 +149,7 @@ impl WorkerStatus {
 pub(crate) struct StatusSender {
     tx: watch::Sender<WorkerState>,
     queue: Arc<OnceLock<String>>,
+    broker: Arc<AtomicUsize>,
 }
 
 impl StatusSender {
@@ -140,6 +158,7 @@ impl StatusSender {
         Self {
             tx,
             queue: Arc::new(OnceLock::new()),
+            broker: Arc::new(AtomicUsize::new(NO_BROKER)),
         }
     }
 
@@ -157,7 +176,13 @@ impl StatusSender {
         WorkerStatus {
             rx: self.tx.subscribe(),
             queue: self.queue.clone(),
+            broker: self.broker.clone(),
         }
+    }
+
+    /// Records the index of the URL the worker is connected through.
+    pub(crate) fn set_broker(&self, index: usize) {
+        self.broker.store(index, Ordering::Release);
     }
 
     pub(crate) fn set(&self, state: WorkerState) {

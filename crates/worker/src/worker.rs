@@ -17,6 +17,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{error, info, warn};
 
+use crate::config::redact_url;
 use crate::handler::{Erased, ErasedHandler, FromDelivery, Handler};
 use crate::metrics_names;
 use crate::session::{Session, SessionEnd};
@@ -87,6 +88,7 @@ type TopologyMap = Box<dyn FnOnce(Topology) -> Topology + Send>;
 /// documented default.
 pub struct WorkerBuilder {
     url: String,
+    failover_urls: Vec<String>,
     queue: Option<String>,
     topology: Option<Topology>,
     topology_maps: Vec<TopologyMap>,
@@ -122,6 +124,7 @@ impl WorkerBuilder {
     fn new(url: String) -> Self {
         Self {
             url,
+            failover_urls: Vec::new(),
             queue: None,
             topology: None,
             topology_maps: Vec::new(),
@@ -142,6 +145,38 @@ impl WorkerBuilder {
             reconnect_jitter: Jitter::Full,
             status: StatusSender::new(),
         }
+    }
+
+    /// More brokers to connect to, tried in turn after the URL given to [`Worker::builder`]:
+    /// the nodes of a RabbitMQ cluster, for instance. Default: none.
+    ///
+    /// When a connection attempt fails, or a connection is lost, the worker goes on with the next
+    /// URL (round robin), so a stopped node is skipped at once; it pauses with its
+    /// [`reconnect_backoff`](Self::reconnect_backoff) only after a whole round of URLs failed.
+    /// Every URL must reach the same vhost of the same cluster: the topology and the delay
+    /// levels are declared (or verified) on whichever node answers.
+    ///
+    /// ```no_run
+    /// # use redeliver_worker::{Worker, Raw, Context, HandlerError};
+    /// # async fn demo() -> Result<(), redeliver_worker::WorkerError> {
+    /// Worker::builder("amqp://app:secret@rabbit-0:5672/%2f")
+    ///     .failover_urls([
+    ///         "amqp://app:secret@rabbit-1:5672/%2f",
+    ///         "amqp://app:secret@rabbit-2:5672/%2f",
+    ///     ])
+    ///     .queue("orders")
+    ///     .handler(|_m: Raw, _c: Context| async move { Ok::<(), HandlerError>(()) })
+    ///     .run_until_signal()
+    ///     .await
+    /// # }
+    /// ```
+    pub fn failover_urls<I>(mut self, urls: I) -> Self
+    where
+        I: IntoIterator,
+        I::Item: Into<String>,
+    {
+        self.failover_urls = urls.into_iter().map(Into::into).collect();
+        self
     }
 
     /// The queue to consume, with the default topology (quorum queue, `Q.dlx`, `Q.dlq`,
@@ -283,8 +318,13 @@ impl WorkerBuilder {
 
     /// Validates the configuration and returns the worker.
     pub fn build(self) -> Result<Worker, WorkerError> {
-        AMQPUri::from_str(&self.url)
-            .map_err(|e| WorkerError::Config(format!("invalid AMQP URL: {e}")))?;
+        let mut urls = Vec::with_capacity(1 + self.failover_urls.len());
+        for url in std::iter::once(self.url).chain(self.failover_urls) {
+            AMQPUri::from_str(&url).map_err(|e| {
+                WorkerError::Config(format!("invalid AMQP URL {}: {e}", redact_url(&url)))
+            })?;
+            urls.push(url);
+        }
         let mut topology = match (self.topology, self.queue) {
             (Some(t), _) => t,
             (None, Some(q)) => Topology::new(q),
@@ -337,7 +377,7 @@ impl WorkerBuilder {
             .unwrap_or_else(|| format!("redeliver-worker:{queue}"));
         Ok(Worker {
             config: Arc::new(Config {
-                url: self.url,
+                urls,
                 connection_name,
                 queue,
                 topology,
@@ -368,7 +408,8 @@ impl WorkerBuilder {
 
 /// Settings of a built worker, shared by its sessions and delivery tasks.
 pub(crate) struct Config {
-    pub(crate) url: String,
+    /// The builder's URL first, then the failover URLs; never empty.
+    pub(crate) urls: Vec<String>,
     pub(crate) connection_name: String,
     pub(crate) queue: String,
     pub(crate) topology: Topology,
@@ -538,10 +579,16 @@ async fn reconnect_loop(
     let mut failures: u32 = 0;
     let mut prev_delay: Option<Duration> = None;
     let mut ever_consumed = false;
+    // Round robin over the URLs; `tried` counts the failures since the last pause, so a pause
+    // comes only after every URL failed once.
+    let mut next_url = 0usize;
+    let mut tried = 0usize;
     loop {
         if token.is_cancelled() {
             break;
         }
+        let url_index = next_url % config.urls.len();
+        let url = &config.urls[url_index];
         status.set(if ever_consumed {
             WorkerState::Reconnecting
         } else {
@@ -549,23 +596,26 @@ async fn reconnect_loop(
         });
         let opened = tokio::select! {
             _ = token.cancelled() => break,
-            r = tokio::time::timeout(CONNECT_TIMEOUT, Session::open(shared)) => r,
+            r = tokio::time::timeout(CONNECT_TIMEOUT, Session::open(shared, url)) => r,
         };
-        match opened {
+        let failed = match opened {
             Ok(Ok(session)) => {
                 if ever_consumed {
-                    info!(queue = %config.queue, after_failed_attempts = failures, "connection recovered; consuming again");
+                    info!(queue = %config.queue, broker = %redact_url(url), after_failed_attempts = failures, "connection recovered; consuming again");
                 } else {
                     info!(
                         queue = %config.queue,
+                        broker = %redact_url(url),
                         prefetch = config.prefetch,
                         concurrency = config.concurrency,
                         "consuming"
                     );
                 }
                 failures = 0;
+                tried = 0;
                 prev_delay = None;
                 ever_consumed = true;
+                status.set_broker(url_index);
                 status.set(WorkerState::Consuming);
                 match session.consume(shared, token).await {
                     SessionEnd::Shutdown(session) => {
@@ -574,22 +624,35 @@ async fn reconnect_loop(
                         return Ok(());
                     }
                     SessionEnd::Lost(reason) => {
-                        warn!(queue = %config.queue, reason = %reason, "consumer session lost; reconnecting");
+                        warn!(queue = %config.queue, broker = %redact_url(url), reason = %reason, "consumer session lost; reconnecting");
+                        // The node may be gone: start the next round with another one.
+                        next_url = next_url.wrapping_add(1);
                         metrics::counter!(metrics_names::RECONNECTS, metrics_names::LABEL_QUEUE => config.queue.clone())
                             .increment(1);
                         status.set(WorkerState::Reconnecting);
                     }
                 }
+                false
             }
             Ok(Err(e)) if e.is_fatal() => return Err(e),
             Ok(Err(e)) => {
-                warn!(queue = %config.queue, attempt = failures + 1, error = %e, "cannot connect and consume");
-                failures = failures.saturating_add(1);
+                warn!(queue = %config.queue, broker = %redact_url(url), attempt = failures + 1, error = %e, "cannot connect and consume");
+                true
             }
             Err(_elapsed) => {
-                warn!(queue = %config.queue, attempt = failures + 1, timeout = ?CONNECT_TIMEOUT, "connect attempt timed out");
-                failures = failures.saturating_add(1);
+                warn!(queue = %config.queue, broker = %redact_url(url), attempt = failures + 1, timeout = ?CONNECT_TIMEOUT, "connect attempt timed out");
+                true
             }
+        };
+        if failed {
+            next_url = next_url.wrapping_add(1);
+            tried += 1;
+            if tried < config.urls.len() {
+                // Another node may answer right away: no pause within a round.
+                continue;
+            }
+            tried = 0;
+            failures = failures.saturating_add(1);
         }
         let backoff = &config.reconnect_backoff;
         let d = config.reconnect_jitter.apply(

@@ -489,3 +489,113 @@ fn build_rejects_bad_configuration() {
     assert_eq!(w.queue_name(), "eu-q");
     assert_eq!(w.status_handle().state(), WorkerState::Starting);
 }
+
+/// Several URLs: the first points at a port where no broker listens, so the worker goes on with
+/// its failover URL at once, consumes there, says which URL it uses, and after a forced close it
+/// skips the dead URL again within one round (no backoff pause between the two).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failover_urls_are_tried_in_turn() {
+    init_tracing();
+    let names = Names::new("failover");
+    let conn = connect().await;
+    let topo = names.topology("q", QueueType::Classic, names.delay(4, QueueType::Classic));
+    let queue = topo.queue_name();
+    let conn_name = format!("{}worker", names.prefix);
+    const PAUSE: Duration = Duration::from_secs(5);
+    // Port 1 on loopback: nothing listens there, the connect is refused at once.
+    let dead = "amqp://guest:guest@127.0.0.1:1/%2f";
+    let got = Arc::new(AtomicUsize::new(0));
+    let g = got.clone();
+    let token = CancellationToken::new();
+    let builder = Worker::builder(dead)
+        .failover_urls([amqp_url()])
+        .topology(topo.clone())
+        .connection_name(conn_name.clone())
+        // Pauses of 5 s (after a lost connection, or after a whole round failed): consuming
+        // sooner than that proves there was no pause between the dead URL and the live one.
+        .reconnect_backoff(
+            redeliver_worker::Backoff::Exponential {
+                base: PAUSE,
+                factor: 2.0,
+                cap: Duration::from_secs(20),
+            },
+            Jitter::None,
+        )
+        .handler(move |_m: Raw, _c: Context| {
+            let g = g.clone();
+            async move {
+                g.fetch_add(1, Ordering::SeqCst);
+                Ok::<(), HandlerError>(())
+            }
+        });
+    let mut status = builder.status_handle();
+    assert_eq!(status.broker(), None, "not connected yet");
+    let started = Instant::now();
+    let run = tokio::spawn(builder.run(token.clone()));
+    status
+        .wait_for_timeout(Duration::from_secs(10), |s| *s == WorkerState::Consuming)
+        .await
+        .expect("consuming through the failover URL");
+    assert!(
+        started.elapsed() < PAUSE - Duration::from_secs(1),
+        "no pause between the URLs of one round, yet consuming took {:?}",
+        started.elapsed()
+    );
+    assert_eq!(
+        status.broker(),
+        Some(1),
+        "connected through failover URL #1"
+    );
+    publish_all(&conn, &queue, vec![(b"a".to_vec(), props("f-1"))]).await;
+    assert!(eventually(Duration::from_secs(10), || got.load(Ordering::SeqCst) == 1).await);
+
+    let n2 = conn_name.clone();
+    assert!(
+        tokio::task::spawn_blocking(move || wait_for_connection(&n2, Duration::from_secs(10)))
+            .await
+            .unwrap(),
+        "management API never listed connection {conn_name}"
+    );
+    let n2 = conn_name.clone();
+    let killed = tokio::task::spawn_blocking(move || kill_connections(&n2))
+        .await
+        .unwrap();
+    assert_eq!(killed, 1);
+    let lost_at = Instant::now();
+    status
+        .wait_for_timeout(Duration::from_secs(5), |s| *s != WorkerState::Consuming)
+        .await
+        .expect("noticed the forced close");
+    status
+        .wait_for_timeout(Duration::from_secs(15), |s| *s == WorkerState::Consuming)
+        .await
+        .expect("recovered through the failover URL");
+    // One pause after the loss, then the dead URL and the live one without another.
+    assert!(
+        lost_at.elapsed() < 2 * PAUSE - Duration::from_secs(1),
+        "recovery took {:?}",
+        lost_at.elapsed()
+    );
+    assert_eq!(status.broker(), Some(1));
+    publish_all(&conn, &queue, vec![(b"b".to_vec(), props("f-2"))]).await;
+    assert!(eventually(Duration::from_secs(10), || got.load(Ordering::SeqCst) == 2).await);
+    token.cancel();
+    run.await.unwrap().unwrap();
+}
+
+/// Every failover URL is validated when the worker is built, with the password masked.
+#[test]
+fn a_bad_failover_url_is_a_configuration_error() {
+    let err = Worker::builder(amqp_url())
+        .failover_urls(["http://user:hunter2@rabbit-1/"])
+        .queue("q")
+        .handler(|_m: Raw, _c: Context| async move { Ok::<(), HandlerError>(()) })
+        .build()
+        .unwrap_err();
+    assert!(matches!(err, WorkerError::Config(_)), "{err:?}");
+    let text = err.to_string();
+    assert!(
+        text.contains("rabbit-1") && !text.contains("hunter2"),
+        "{text}"
+    );
+}
