@@ -18,10 +18,10 @@
 //!     --fail-rate 0.2 --seed 7
 //! ```
 //!
-//! Several `--url`s (or a comma-separated list) are tried in turn: the worker consumes through
-//! the first; when it has been unable to consume for `--failover-after-ms` it is stopped and a
-//! worker on the next URL is started. The worker crate reconnects only to its one URL, so this
-//! rotation lives here (see RELIABILITY.md).
+//! Several `--url`s (or a comma-separated list) are the worker's own failover list
+//! ([`WorkerBuilder::failover_urls`](redeliver::WorkerBuilder::failover_urls)): it connects
+//! through the first and, when a connection attempt fails or the connection is lost, goes on
+//! with the next one.
 
 use std::fs::{File, OpenOptions};
 use std::io::Write;
@@ -32,7 +32,7 @@ use std::time::Duration;
 use anyhow::{bail, Context as _};
 use clap::{Parser, ValueEnum};
 use redeliver::policy::BudgetConfig;
-use redeliver::worker::WorkerState;
+use redeliver::worker::{WorkerState, WorkerStatus};
 use redeliver::{
     CancellationToken, Context, DelayConfig, HandlerError, Json, QueueType, RetryBudget,
     RetryPolicy, Topology, Worker,
@@ -80,6 +80,9 @@ struct Args {
     /// Type of the delay level queues.
     #[arg(long, value_enum, default_value = "quorum")]
     delay_queue_type: Kind,
+    /// Type of the dead-letter queue.
+    #[arg(long, value_enum, default_value = "classic")]
+    dlq_queue_type: Kind,
     /// `x-delivery-limit` of a quorum work queue.
     #[arg(long, default_value_t = 20)]
     delivery_limit: u32,
@@ -144,12 +147,9 @@ struct Args {
     /// Shutdown grace period.
     #[arg(long, default_value_t = 5_000)]
     shutdown_grace_ms: u64,
-    /// With several URLs: how long the worker may be unable to consume before the next URL is
-    /// tried.
-    #[arg(long, default_value_t = 3_000)]
-    failover_after_ms: u64,
-    /// File the worker's state changes are appended to: `<unix ms> <state> <url index>`, so a
-    /// test can measure outages and recoveries from the worker's own point of view.
+    /// File the worker's state changes are appended to: `<unix ms> <state> <url index>` (the
+    /// URL it connected through last, `-` before the first connection), so a test can measure
+    /// outages and recoveries from the worker's own point of view.
     #[arg(long)]
     events: Option<PathBuf>,
     /// Connection name shown by the management API (default: the worker's,
@@ -341,15 +341,18 @@ fn topology(args: &Args) -> Topology {
     Topology::new(args.queue.clone())
         .prefix(args.prefix.clone())
         .queue_type(args.queue_type.into())
+        .dlq_queue_type(args.dlq_queue_type.into())
         .delivery_limit(Some(args.delivery_limit))
         .delay(delay)
 }
 
-fn build(args: &Args, url: &str, app: &Arc<App>, policy: &RetryPolicy) -> anyhow::Result<Worker> {
+fn build(args: &Args, app: &Arc<App>) -> anyhow::Result<Worker> {
     let app = Arc::clone(app);
-    let mut b = Worker::builder(url)
+    let (first, others) = args.urls.split_first().context("no --url given")?;
+    let mut b = Worker::builder(first.clone())
+        .failover_urls(others.to_vec())
         .topology(topology(args))
-        .policy(policy.clone())
+        .policy(policy(args))
         .prefetch(args.prefetch)
         .concurrency(args.concurrency)
         .shutdown_grace(Duration::from_millis(args.shutdown_grace_ms))
@@ -366,24 +369,25 @@ fn build(args: &Args, url: &str, app: &Arc<App>, policy: &RetryPolicy) -> anyhow
     b.build().context("invalid worker configuration")
 }
 
-/// The `--events` file of one worker (one URL).
-#[derive(Clone)]
-struct Events {
-    file: Arc<Mutex<File>>,
-    url_index: usize,
-}
-
-impl Events {
-    fn write(&self, state: WorkerState) {
+/// Appends `<unix ms> <state> <url index>` to the `--events` file at every state change.
+fn watch_events(file: File, mut status: WorkerStatus) {
+    let file = Mutex::new(file);
+    let write = move |state: WorkerState, broker: Option<usize>| {
         let ms = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map(|d| d.as_millis())
             .unwrap_or(0);
-        let line = format!("{ms} {state} {}\n", self.url_index);
-        if let Err(e) = App::append(&self.file, &line, false) {
+        let broker = broker.map_or_else(|| "-".to_owned(), |i| i.to_string());
+        if let Err(e) = App::append(&file, &format!("{ms} {state} {broker}\n"), false) {
             warn!(error = %e, "cannot append to the events file");
         }
-    }
+    };
+    tokio::spawn(async move {
+        write(status.state(), status.broker());
+        while let Some(state) = status.changed().await {
+            write(state, status.broker());
+        }
+    });
 }
 
 /// Cancels `token` on SIGTERM or SIGINT.
@@ -400,72 +404,6 @@ fn cancel_on_signal(token: CancellationToken) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Runs one worker on `url` until `token` is cancelled (returns `Ok(true)`: stop for good), or,
-/// when `failover` is set, until it has not been consuming for that long (returns `Ok(false)`:
-/// try the next URL).
-async fn run_one(
-    worker: Worker,
-    token: &CancellationToken,
-    failover: Option<Duration>,
-    events: Option<Events>,
-) -> anyhow::Result<bool> {
-    let mut status = worker.status_handle();
-    if let Some(ev) = events {
-        let mut watch = worker.status_handle();
-        tokio::spawn(async move {
-            ev.write(watch.state());
-            while let Some(state) = watch.changed().await {
-                ev.write(state);
-            }
-        });
-    }
-    let own = token.child_token();
-    let mut task = tokio::spawn(worker.run(own.clone()));
-    let Some(limit) = failover else {
-        task.await.context("worker task failed")??;
-        return Ok(true);
-    };
-    // Completes once the worker has not been consuming for `limit` in a row. A status channel
-    // that closes means the worker is finishing: then only the task's own end matters.
-    let not_consuming = async {
-        loop {
-            if status.state() != WorkerState::Consuming {
-                // Connecting or reconnecting: give it time, watching for a recovery.
-                let deadline = tokio::time::sleep(limit);
-                tokio::pin!(deadline);
-                loop {
-                    tokio::select! {
-                        _ = &mut deadline => return,
-                        s = status.changed() => match s {
-                            Some(WorkerState::Consuming) => break,
-                            Some(_) => {}
-                            None => std::future::pending::<()>().await,
-                        },
-                    }
-                }
-            } else if status.changed().await.is_none() {
-                std::future::pending::<()>().await;
-            }
-        }
-    };
-    tokio::select! {
-        r = &mut task => {
-            r.context("worker task failed")??;
-            Ok(true)
-        }
-        _ = not_consuming => {
-            if !token.is_cancelled() {
-                warn!(after = ?limit, "worker cannot consume on this URL; trying the next one");
-            }
-            own.cancel();
-            // Its connection is gone: its in-flight handlers cannot settle, and the broker
-            // gives their messages back. Wait for the shutdown to finish.
-            (&mut task).await.context("worker task failed")??;
-            Ok(token.is_cancelled())
-        }
-    }
-}
-
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     tracing_subscriber::fmt()
@@ -476,9 +414,6 @@ async fn main() -> anyhow::Result<()> {
         .with_ansi(false)
         .init();
     let args = Args::parse();
-    if args.urls.is_empty() {
-        bail!("no --url given");
-    }
     let app = Arc::new(App {
         record: Mutex::new(open_append(&args.record)?),
         calls: args
@@ -496,42 +431,17 @@ async fn main() -> anyhow::Result<()> {
         work: Duration::from_millis(args.work_ms),
         require_content_type: args.require_content_type.clone(),
     });
-    // One policy for every worker this process runs: its retry budget must not start afresh on a
-    // failover.
-    let policy = policy(&args);
+    let worker = build(&args, &app)?;
+    if let Some(path) = &args.events {
+        watch_events(open_append(path)?, worker.status_handle());
+    }
+    info!(queue = %args.queue, prefix = %args.prefix, urls = args.urls.len(), "reliability worker starting");
     let token = CancellationToken::new();
     cancel_on_signal(token.clone())?;
-    let failover =
-        (args.urls.len() > 1).then(|| Duration::from_millis(args.failover_after_ms.max(1)));
-    info!(queue = %args.queue, prefix = %args.prefix, urls = args.urls.len(), "reliability worker starting");
-    let events = args
-        .events
-        .as_ref()
-        .map(open_append)
-        .transpose()?
-        .map(|f| Arc::new(Mutex::new(f)));
-    for (i, url) in args.urls.iter().enumerate().cycle() {
-        if token.is_cancelled() {
-            break;
-        }
-        info!(url = %redact(url), "starting a worker");
-        let worker = build(&args, url, &app, &policy)?;
-        let ev = events.as_ref().map(|file| Events {
-            file: Arc::clone(file),
-            url_index: i,
-        });
-        if run_one(worker, &token, failover, ev).await? {
-            break;
-        }
-    }
+    worker
+        .run(token)
+        .await
+        .context("worker stopped with an error")?;
     info!("reliability worker stopped");
     Ok(())
-}
-
-/// The URL without its password, for logs.
-fn redact(url: &str) -> String {
-    match (url.find("://"), url.rfind('@')) {
-        (Some(s), Some(at)) if at > s => format!("{}://***@{}", &url[..s], &url[at + 1..]),
-        _ => url.to_owned(),
-    }
 }

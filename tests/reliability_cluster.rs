@@ -1,8 +1,9 @@
 //! A 3-node RabbitMQ cluster on this machine (`scripts/cluster.sh`: nodes
 //! `rdcluster-{1,2,3}@localhost`, AMQP 5681-5683): quorum work queue and quorum delay levels
-//! replicated on all three nodes. While messages flow, the node the worker is connected to is
+//! replicated on all three nodes, and a quorum DLQ. While messages flow, the node the worker is connected to is
 //! stopped, twice (node 1, then node 2 after node 1 is back); the worker moves to a surviving
-//! node (its URLs are tried in turn) and nothing is lost.
+//! node (the worker's own failover: `WorkerBuilder::failover_urls`, the URLs tried in turn) and
+//! nothing is lost.
 //!
 //! Ignored by default (about a minute, plus ~40 s to form the cluster when it is not running):
 //!
@@ -11,12 +12,8 @@
 //! ```
 //!
 //! The cluster is started if it is not running and left as it was found. The topology is
-//! declared through node 3, which is never stopped, so the classic DLQ (the topology cannot make
-//! it quorum yet) stays reachable; the quorum queues' leaders are on node 3 too, so this
-//! exercises client failover and replicas going away, not leader elections.
-//!
-//! The failover between URLs is done by the `reliability_worker` example around the worker (the
-//! worker crate reconnects only to its one URL): see RELIABILITY.md.
+//! declared through node 3, which is never stopped, so the quorum queues' leaders are on node 3:
+//! this exercises client failover and replicas going away, not leader elections.
 
 mod reliability;
 
@@ -24,6 +21,7 @@ use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use redeliver::QueueType;
 use reliability::{report, Nodes, Scenario, Shape};
 
 const N: usize = 3000;
@@ -40,6 +38,7 @@ async fn stopping_the_workers_node_loses_nothing() {
         .join(",");
     let shape = Shape {
         url: nodes.amqp_url(3),
+        dlq_queue_type: QueueType::Quorum,
         ..Shape::default()
     };
     let s = Scenario::new("cluster", shape).await;
@@ -51,7 +50,6 @@ async fn stopping_the_workers_node_loses_nothing() {
         let mut w = s
             .worker()
             .urls(&urls)
-            .arg("failover-after-ms", 3000)
             .arg("shutdown-grace-ms", 2000)
             .arg("fail-rate", 0.3)
             .arg("seed", 17)

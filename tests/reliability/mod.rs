@@ -164,6 +164,7 @@ pub struct Shape {
     pub queue_type: QueueType,
     pub delay_levels: u8,
     pub delay_queue_type: QueueType,
+    pub dlq_queue_type: QueueType,
     pub delivery_limit: u32,
 }
 
@@ -176,6 +177,7 @@ impl Default for Shape {
             // queues than the default 24 keeps setup fast.
             delay_levels: 10,
             delay_queue_type: QueueType::Quorum,
+            dlq_queue_type: QueueType::Classic,
             delivery_limit: 20,
         }
     }
@@ -217,6 +219,7 @@ impl Scenario {
         let topology = Topology::new(short_queue.clone())
             .prefix(prefix.clone())
             .queue_type(shape.queue_type)
+            .dlq_queue_type(shape.dlq_queue_type)
             .delivery_limit(Some(shape.delivery_limit))
             .delay(delay.clone());
         let dir = std::env::temp_dir()
@@ -367,6 +370,8 @@ impl Scenario {
                 self.shape.delay_levels.to_string(),
                 "--delay-queue-type".into(),
                 kind(self.shape.delay_queue_type).into(),
+                "--dlq-queue-type".into(),
+                kind(self.shape.dlq_queue_type).into(),
                 "--delivery-limit".into(),
                 self.shape.delivery_limit.to_string(),
                 "--record".into(),
@@ -994,7 +999,8 @@ impl WorkerProc {
                 Some((
                     it.next()?.parse().ok()?,
                     it.next()?.to_owned(),
-                    it.next()?.parse().ok()?,
+                    // `-`: not connected yet.
+                    it.next()?.parse().unwrap_or(usize::MAX),
                 ))
             })
             .collect()
