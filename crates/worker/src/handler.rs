@@ -206,7 +206,7 @@ pub struct Context {
 }
 
 struct ContextInner {
-    queue: String,
+    queue: Arc<str>,
     attempt: u32,
     redelivered: bool,
     exchange: String,
@@ -219,7 +219,7 @@ struct ContextInner {
 
 impl Context {
     pub(crate) fn new(
-        queue: String,
+        queue: Arc<str>,
         delivery: &Delivery,
         retry: RetryState,
         shutdown: CancellationToken,
