@@ -207,12 +207,7 @@ pub struct Context {
 
 struct ContextInner {
     queue: Arc<str>,
-    attempt: u32,
-    redelivered: bool,
-    exchange: String,
-    routing_key: String,
-    delivery_tag: u64,
-    properties: BasicProperties,
+    delivery: Arc<Delivery>,
     retry: RetryState,
     shutdown: CancellationToken,
 }
@@ -220,19 +215,14 @@ struct ContextInner {
 impl Context {
     pub(crate) fn new(
         queue: Arc<str>,
-        delivery: &Delivery,
+        delivery: Arc<Delivery>,
         retry: RetryState,
         shutdown: CancellationToken,
     ) -> Self {
         Self {
             inner: Arc::new(ContextInner {
                 queue,
-                attempt: retry.attempt,
-                redelivered: delivery.redelivered,
-                exchange: delivery.exchange.to_string(),
-                routing_key: delivery.routing_key.to_string(),
-                delivery_tag: delivery.delivery_tag,
-                properties: delivery.properties.clone(),
+                delivery,
                 retry,
                 shutdown,
             }),
@@ -242,17 +232,18 @@ impl Context {
     /// Retries already done for this message: 0 on the first delivery, 1 on the first retry,
     /// and so on (read from `x-redeliver-attempt`; a missing or garbage header counts as 0).
     pub fn attempt(&self) -> u32 {
-        self.inner.attempt
+        self.inner.retry.attempt
     }
 
     /// True when this delivery is a retry copy (`attempt() > 0`).
     pub fn is_retry(&self) -> bool {
-        self.inner.attempt > 0
+        self.inner.retry.attempt > 0
     }
 
     /// The message's `message_id` property (kept on every retry copy): the key for idempotency.
     pub fn message_id(&self) -> Option<&str> {
         self.inner
+            .delivery
             .properties
             .message_id()
             .as_ref()
@@ -262,6 +253,7 @@ impl Context {
     /// The message's `correlation_id` property.
     pub fn correlation_id(&self) -> Option<&str> {
         self.inner
+            .delivery
             .properties
             .correlation_id()
             .as_ref()
@@ -271,19 +263,19 @@ impl Context {
     /// The broker's redelivered flag: the message was delivered before on a channel that died
     /// or was requeued, so the handler may already have seen it.
     pub fn redelivered(&self) -> bool {
-        self.inner.redelivered
+        self.inner.delivery.redelivered
     }
 
     /// Exchange this delivery came through. For a retry copy that is the delay infrastructure's
     /// deliver exchange; see [`original_exchange`](Self::original_exchange).
     pub fn exchange(&self) -> &str {
-        &self.inner.exchange
+        self.inner.delivery.exchange.as_str()
     }
 
     /// Routing key of this delivery (for a retry copy, the delay routing key); see
     /// [`original_routing_key`](Self::original_routing_key).
     pub fn routing_key(&self) -> &str {
-        &self.inner.routing_key
+        self.inner.delivery.routing_key.as_str()
     }
 
     /// Exchange the message was first published to (from `x-redeliver-original-exchange` on a
@@ -293,7 +285,7 @@ impl Context {
             .retry
             .original_exchange
             .as_deref()
-            .unwrap_or(&self.inner.exchange)
+            .unwrap_or(self.inner.delivery.exchange.as_str())
     }
 
     /// Routing key the message was first published with.
@@ -302,7 +294,7 @@ impl Context {
             .retry
             .original_routing_key
             .as_deref()
-            .unwrap_or(&self.inner.routing_key)
+            .unwrap_or(self.inner.delivery.routing_key.as_str())
     }
 
     /// Name of the queue being consumed (prefix included).
@@ -312,17 +304,17 @@ impl Context {
 
     /// Delivery tag on the worker's channel (for logs; settling is the worker's job).
     pub fn delivery_tag(&self) -> u64 {
-        self.inner.delivery_tag
+        self.inner.delivery.delivery_tag
     }
 
     /// All message properties.
     pub fn properties(&self) -> &BasicProperties {
-        &self.inner.properties
+        &self.inner.delivery.properties
     }
 
     /// The message headers (user headers plus `x-redeliver-*` on a retry copy).
     pub fn headers(&self) -> Option<&FieldTable> {
-        self.inner.properties.headers().as_ref()
+        self.inner.delivery.properties.headers().as_ref()
     }
 
     /// One header by name.
@@ -372,10 +364,10 @@ impl fmt::Debug for Context {
         f.debug_struct("Context")
             .field("queue", &self.inner.queue)
             .field("message_id", &self.message_id())
-            .field("attempt", &self.inner.attempt)
-            .field("redelivered", &self.inner.redelivered)
-            .field("exchange", &self.inner.exchange)
-            .field("routing_key", &self.inner.routing_key)
+            .field("attempt", &self.inner.retry.attempt)
+            .field("redelivered", &self.inner.delivery.redelivered)
+            .field("exchange", &self.inner.delivery.exchange.as_str())
+            .field("routing_key", &self.inner.delivery.routing_key.as_str())
             .finish_non_exhaustive()
     }
 }
@@ -453,7 +445,7 @@ mod tests {
         let d = mock(b"{}");
         let ctx = Context::new(
             "q".into(),
-            &d,
+            Arc::new(mock(b"{}")),
             RetryState::default(),
             CancellationToken::new(),
         );
@@ -470,7 +462,7 @@ mod tests {
             original_routing_key: Some("eu.new".into()),
             ..RetryState::default()
         };
-        let ctx = Context::new("q".into(), &d, retry, CancellationToken::new());
+        let ctx = Context::new("q".into(), Arc::new(d), retry, CancellationToken::new());
         assert!(ctx.is_retry());
         assert_eq!(ctx.original_exchange(), "orders");
         assert_eq!(ctx.original_routing_key(), "eu.new");
@@ -491,7 +483,7 @@ mod tests {
         let ctx = || {
             Context::new(
                 "q".into(),
-                &mock(b""),
+                Arc::new(mock(b"")),
                 RetryState::default(),
                 CancellationToken::new(),
             )

@@ -218,7 +218,7 @@ impl Session {
         let task = DeliveryTask {
             worker: Arc::clone(worker),
             session: Arc::clone(&self.shared),
-            delivery,
+            delivery: Arc::new(delivery),
             _permit: permit,
         };
         // Polled once here before it becomes a task: a delivery whose handler finishes without
@@ -348,34 +348,38 @@ impl Drop for InFlight<'_> {
 struct DeliveryTask {
     worker: Arc<Shared>,
     session: Arc<SessionShared>,
-    delivery: Delivery,
+    /// Shared with the handler's [`Context`], which reads its properties without a copy.
+    delivery: Arc<Delivery>,
     _permit: OwnedSemaphorePermit,
 }
 
 impl DeliveryTask {
     async fn run(self) {
         let state = RetryState::read(self.delivery.properties.headers().as_ref());
-        let message_id = self
-            .delivery
-            .properties
-            .message_id()
-            .as_ref()
-            .map(|s| s.to_string())
-            .unwrap_or_default();
         let span = info_span!(
             "delivery",
             queue = %self.worker.config.queue,
-            message_id = %message_id,
+            message_id = %self.message_id(),
             attempt = state.attempt,
             redelivered = self.delivery.redelivered,
             delivery_tag = self.delivery.delivery_tag,
             outcome = tracing::field::Empty,
             duration_ms = tracing::field::Empty,
         );
-        self.process(state, message_id).instrument(span).await;
+        self.process(state).instrument(span).await;
     }
 
-    async fn process(self, state: RetryState, message_id: String) {
+    /// The message's `message_id` property, for logs (empty when absent).
+    fn message_id(&self) -> &str {
+        self.delivery
+            .properties
+            .message_id()
+            .as_ref()
+            .map_or("", |s| s.as_str())
+    }
+
+    async fn process(self, state: RetryState) {
+        let message_id = self.message_id();
         let meters = &self.session.meters;
         let _in_flight = InFlight::enter(&meters.in_flight);
         let started = Instant::now();
@@ -387,7 +391,7 @@ impl DeliveryTask {
             // delivery limit): RabbitMQ crashes reading such a header.
             // Boxed, like the other cold paths: the task's future stays small, and spawning one
             // per delivery copies it.
-            let label = Box::pin(self.sanitize(repaired, &message_id)).await;
+            let label = Box::pin(self.sanitize(repaired, message_id)).await;
             Span::current().record("outcome", label);
             return;
         }
@@ -397,7 +401,7 @@ impl DeliveryTask {
         }
         let ctx = Context::new(
             Arc::clone(&self.session.queue),
-            &self.delivery,
+            Arc::clone(&self.delivery),
             state.clone(),
             self.worker.draining.clone(),
         );
@@ -421,7 +425,7 @@ impl DeliveryTask {
             ),
         };
         let label = match plan {
-            Some(plan) => self.settle(plan, &state, &message_id).await,
+            Some(plan) => self.settle(plan, &state, message_id).await,
             None => "abandoned",
         };
         let span = Span::current();

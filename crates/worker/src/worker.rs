@@ -252,6 +252,11 @@ impl WorkerBuilder {
     /// `Result<(), HandlerError>`; `M` is any [`FromDelivery`] type ([`Json<T>`](crate::Json),
     /// [`Raw`](crate::Raw), [`Text`](crate::Text)). A body that does not decode as `M` is
     /// dead-lettered without calling the handler.
+    ///
+    /// The worker polls a handler's future once itself before making it a task (a handler that
+    /// completes without waiting costs no task then), so CPU-heavy work before the first
+    /// `.await` delays the intake of the next delivery: move such work to
+    /// `tokio::task::spawn_blocking`, as in any async code.
     pub fn handler<M, F, Fut>(mut self, f: F) -> Self
     where
         M: FromDelivery,

@@ -599,3 +599,100 @@ fn a_bad_failover_url_is_a_configuration_error() {
         "{text}"
     );
 }
+
+/// Batched acks never cover a delivery whose handler still runs, and a slow one at the front does
+/// not hold back the acks of the finished ones behind it: with the oldest delivery stuck in its
+/// handler, the others are acked (alone) within a few ticks. Proven by force-closing the
+/// connection then: the stuck message comes back (redelivered), none of the others does.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn acks_skip_a_running_delivery_and_do_not_wait_for_it() {
+    init_tracing();
+    let names = Names::new("acks");
+    let conn = connect().await;
+    let topo = names.topology("q", QueueType::Classic, names.delay(4, QueueType::Classic));
+    let queue = topo.queue_name();
+    let conn_name = format!("{}worker", names.prefix);
+    // (message id, redelivered) of every handler call.
+    let calls: Arc<Mutex<Vec<(String, bool)>>> = Default::default();
+    let release = Arc::new(tokio::sync::Notify::new());
+    let (c, r) = (calls.clone(), release.clone());
+    let token = CancellationToken::new();
+    let builder = Worker::builder(amqp_url())
+        .topology(topo.clone())
+        .connection_name(conn_name.clone())
+        .prefetch(8)
+        .concurrency(4)
+        .shutdown_grace(Duration::from_secs(2))
+        .handler(move |_m: Raw, ctx: Context| {
+            let (c, r) = (c.clone(), r.clone());
+            async move {
+                let id = ctx.message_id().unwrap_or_default().to_owned();
+                c.lock().unwrap().push((id.clone(), ctx.redelivered()));
+                if id == "slow" && !ctx.redelivered() {
+                    // Stuck until the end of the test.
+                    r.notified().await;
+                }
+                Ok::<(), HandlerError>(())
+            }
+        });
+    let mut status = builder.status_handle();
+    let run = tokio::spawn(builder.run(token.clone()));
+    status
+        .wait_for_timeout(Duration::from_secs(30), |s| *s == WorkerState::Consuming)
+        .await
+        .expect("consuming");
+    let n2 = conn_name.clone();
+    assert!(
+        tokio::task::spawn_blocking(move || wait_for_connection(&n2, Duration::from_secs(10)))
+            .await
+            .unwrap(),
+        "management API never listed connection {conn_name}"
+    );
+    // "slow" first, so it has the oldest delivery tag and sits at the front of the ack window.
+    let ids = ["slow", "f1", "f2", "f3", "f4"];
+    for id in ids {
+        publish_all(&conn, &queue, vec![(b"x".to_vec(), props(id))]).await;
+    }
+    assert!(
+        eventually(Duration::from_secs(10), || calls.lock().unwrap().len() == 5).await,
+        "calls: {:?}",
+        calls.lock().unwrap()
+    );
+    // Longer than a finished delivery may wait behind a running one (two 25 ms ticks).
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let n2 = conn_name.clone();
+    let killed = tokio::task::spawn_blocking(move || kill_connections(&n2))
+        .await
+        .unwrap();
+    assert_eq!(killed, 1);
+    assert!(
+        eventually(Duration::from_secs(20), || calls.lock().unwrap().len() >= 6).await,
+        "the stuck message never came back: {:?}",
+        calls.lock().unwrap()
+    );
+    // Nothing else may still be on its way back.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    release.notify_waiters();
+    token.cancel();
+    run.await.unwrap().unwrap();
+    let calls = calls.lock().unwrap().clone();
+    for id in &ids[1..] {
+        assert_eq!(
+            calls.iter().filter(|(i, _)| i == id).count(),
+            1,
+            "{id} was acked while the slow one ran, so it is not redelivered: {calls:?}"
+        );
+    }
+    let slow: Vec<bool> = calls
+        .iter()
+        .filter(|(i, _)| i == "slow")
+        .map(|(_, r)| *r)
+        .collect();
+    assert_eq!(
+        slow,
+        [false, true],
+        "the running one was never acked: {calls:?}"
+    );
+    assert_eq!(ready_count(&conn, &queue).await, 0);
+    assert_eq!(ready_count(&conn, &topo.dlq_name()).await, 0);
+}
