@@ -203,13 +203,7 @@ async fn connection_killed_by_the_broker_recovers_and_loses_nothing() {
         .wait_for_timeout(Duration::from_secs(30), |s| *s == WorkerState::Consuming)
         .await
         .expect("consuming");
-    let n2 = conn_name.clone();
-    assert!(
-        tokio::task::spawn_blocking(move || wait_for_connection(&n2, Duration::from_secs(10)))
-            .await
-            .unwrap(),
-        "management API never listed connection {conn_name}"
-    );
+    await_listed_connection(&conn_name).await;
     let messages = (0..N)
         .map(|id| {
             (
@@ -224,11 +218,7 @@ async fn connection_killed_by_the_broker_recovers_and_loses_nothing() {
             >= 100)
         .await
     );
-    let n2 = conn_name.clone();
-    let killed = tokio::task::spawn_blocking(move || kill_connections(&n2))
-        .await
-        .unwrap();
-    assert_eq!(killed, 1, "one worker connection to kill");
+    force_close_connection(&conn_name).await;
     let processed_at_kill = done.lock().unwrap().len();
     assert!(
         status
@@ -549,18 +539,8 @@ async fn failover_urls_are_tried_in_turn() {
     publish_all(&conn, &queue, vec![(b"a".to_vec(), props("f-1"))]).await;
     assert!(eventually(Duration::from_secs(10), || got.load(Ordering::SeqCst) == 1).await);
 
-    let n2 = conn_name.clone();
-    assert!(
-        tokio::task::spawn_blocking(move || wait_for_connection(&n2, Duration::from_secs(10)))
-            .await
-            .unwrap(),
-        "management API never listed connection {conn_name}"
-    );
-    let n2 = conn_name.clone();
-    let killed = tokio::task::spawn_blocking(move || kill_connections(&n2))
-        .await
-        .unwrap();
-    assert_eq!(killed, 1);
+    await_listed_connection(&conn_name).await;
+    force_close_connection(&conn_name).await;
     let lost_at = Instant::now();
     status
         .wait_for_timeout(Duration::from_secs(5), |s| *s != WorkerState::Consuming)
@@ -641,13 +621,7 @@ async fn acks_skip_a_running_delivery_and_do_not_wait_for_it() {
         .wait_for_timeout(Duration::from_secs(30), |s| *s == WorkerState::Consuming)
         .await
         .expect("consuming");
-    let n2 = conn_name.clone();
-    assert!(
-        tokio::task::spawn_blocking(move || wait_for_connection(&n2, Duration::from_secs(10)))
-            .await
-            .unwrap(),
-        "management API never listed connection {conn_name}"
-    );
+    await_listed_connection(&conn_name).await;
     // "slow" first, so it has the oldest delivery tag and sits at the front of the ack window.
     let ids = ["slow", "f1", "f2", "f3", "f4"];
     for id in ids {
@@ -660,11 +634,7 @@ async fn acks_skip_a_running_delivery_and_do_not_wait_for_it() {
     );
     // Longer than a finished delivery may wait behind a running one (two 25 ms ticks).
     tokio::time::sleep(Duration::from_millis(300)).await;
-    let n2 = conn_name.clone();
-    let killed = tokio::task::spawn_blocking(move || kill_connections(&n2))
-        .await
-        .unwrap();
-    assert_eq!(killed, 1);
+    force_close_connection(&conn_name).await;
     assert!(
         eventually(Duration::from_secs(20), || calls.lock().unwrap().len() >= 6).await,
         "the stuck message never came back: {:?}",

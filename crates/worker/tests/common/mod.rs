@@ -169,3 +169,24 @@ pub fn init_tracing() {
         .with_test_writer()
         .try_init();
 }
+
+/// Waits (up to 10 s) until the management API lists the connection named `name`: it shows a new
+/// connection only at its next statistics emission.
+pub async fn await_listed_connection(name: &str) {
+    let n = name.to_owned();
+    let listed = tokio::task::spawn_blocking(move || {
+        wait_for_connection(&n, std::time::Duration::from_secs(10))
+    })
+    .await
+    .expect("management API task");
+    assert!(listed, "management API never listed connection {name}");
+}
+
+/// Force-closes the one connection named `name` through the management API.
+pub async fn force_close_connection(name: &str) {
+    let n = name.to_owned();
+    let killed = tokio::task::spawn_blocking(move || kill_connections(&n))
+        .await
+        .expect("management API task");
+    assert_eq!(killed, 1, "one connection named {name} to close");
+}
