@@ -24,10 +24,8 @@ struct Job {
 async fn shutdown_mid_batch_finishes_in_flight_and_keeps_the_rest() {
     init_tracing();
     const N: usize = 40;
-    let names = Names::new("stop");
-    let conn = connect().await;
-    let topo = names.topology("q", QueueType::Quorum, names.delay(6, QueueType::Classic));
-    let queue = topo.queue_name();
+    let (_names, conn, topo, queue) =
+        fixture("stop", QueueType::Quorum, 6, QueueType::Classic).await;
     let started = Arc::new(AtomicUsize::new(0));
     let finished = Arc::new(AtomicUsize::new(0));
     let saw_shutdown = Arc::new(AtomicUsize::new(0));
@@ -100,10 +98,8 @@ async fn shutdown_mid_batch_finishes_in_flight_and_keeps_the_rest() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn grace_period_over_returns_messages_to_the_queue() {
     init_tracing();
-    let names = Names::new("grace");
-    let conn = connect().await;
-    let topo = names.topology("q", QueueType::Classic, names.delay(6, QueueType::Classic));
-    let queue = topo.queue_name();
+    let (_names, conn, topo, queue) =
+        fixture("grace", QueueType::Classic, 6, QueueType::Classic).await;
     let started = Arc::new(AtomicUsize::new(0));
     let s = started.clone();
     let token = CancellationToken::new();
@@ -155,10 +151,8 @@ async fn grace_period_over_returns_messages_to_the_queue() {
 async fn connection_killed_by_the_broker_recovers_and_loses_nothing() {
     init_tracing();
     const N: u32 = 600;
-    let names = Names::new("kill");
-    let conn = connect().await;
-    let topo = names.topology("q", QueueType::Quorum, names.delay(8, QueueType::Classic));
-    let queue = topo.queue_name();
+    let (names, conn, topo, queue) =
+        fixture("kill", QueueType::Quorum, 8, QueueType::Classic).await;
     let conn_name = format!("{}worker", names.prefix);
     let done: Arc<Mutex<HashMap<u32, u32>>> = Default::default();
     let redelivered = Arc::new(AtomicUsize::new(0));
@@ -270,10 +264,8 @@ async fn connection_killed_by_the_broker_recovers_and_loses_nothing() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn consumer_cancelled_by_the_broker_redeclares_and_resumes() {
     init_tracing();
-    let names = Names::new("cancel");
-    let conn = connect().await;
-    let topo = names.topology("q", QueueType::Classic, names.delay(4, QueueType::Classic));
-    let queue = topo.queue_name();
+    let (_names, conn, topo, queue) =
+        fixture("cancel", QueueType::Classic, 4, QueueType::Classic).await;
     let got = Arc::new(AtomicUsize::new(0));
     let g = got.clone();
     let token = CancellationToken::new();
@@ -486,10 +478,8 @@ fn build_rejects_bad_configuration() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn failover_urls_are_tried_in_turn() {
     init_tracing();
-    let names = Names::new("failover");
-    let conn = connect().await;
-    let topo = names.topology("q", QueueType::Classic, names.delay(4, QueueType::Classic));
-    let queue = topo.queue_name();
+    let (names, conn, topo, queue) =
+        fixture("failover", QueueType::Classic, 4, QueueType::Classic).await;
     let conn_name = format!("{}worker", names.prefix);
     const PAUSE: Duration = Duration::from_secs(5);
     // Port 1 on loopback: nothing listens there, the connect is refused at once.
@@ -587,10 +577,8 @@ fn a_bad_failover_url_is_a_configuration_error() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn acks_skip_a_running_delivery_and_do_not_wait_for_it() {
     init_tracing();
-    let names = Names::new("acks");
-    let conn = connect().await;
-    let topo = names.topology("q", QueueType::Classic, names.delay(4, QueueType::Classic));
-    let queue = topo.queue_name();
+    let (names, conn, topo, queue) =
+        fixture("acks", QueueType::Classic, 4, QueueType::Classic).await;
     let conn_name = format!("{}worker", names.prefix);
     // (message id, redelivered) of every handler call.
     let calls: Arc<Mutex<Vec<(String, bool)>>> = Default::default();

@@ -36,10 +36,8 @@ async fn two_thousand_messages_with_random_failures_are_conserved() {
     init_tracing();
     const N: u32 = 2000;
     let max_retries = 3;
-    let names = Names::new("load");
-    let conn = connect().await;
-    let topo = names.topology("q", QueueType::Classic, names.delay(8, QueueType::Classic));
-    let queue = topo.queue_name();
+    let (_names, conn, topo, queue) =
+        fixture("load", QueueType::Classic, 8, QueueType::Classic).await;
     let expected_dead: HashSet<u32> = (0..N)
         .filter(|&id| (0..=max_retries).all(|a| fails(id, a)))
         .collect();

@@ -140,10 +140,8 @@ struct Job {
 async fn counters_match_what_happened() {
     init_tracing();
     let rec = recorder();
-    let names = Names::new("metrics");
-    let conn = connect().await;
-    let topo = names.topology("q", QueueType::Classic, names.delay(6, QueueType::Classic));
-    let queue = topo.queue_name();
+    let (_names, conn, topo, queue) =
+        fixture("metrics", QueueType::Classic, 6, QueueType::Classic).await;
     let token = CancellationToken::new();
     let builder = Worker::builder(amqp_url())
         .topology(topo.clone())

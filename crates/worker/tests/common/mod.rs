@@ -190,3 +190,19 @@ pub async fn force_close_connection(name: &str) {
         .expect("management API task");
     assert_eq!(killed, 1, "one connection named {name} to close");
 }
+
+/// The objects most tests start from: unique names (their objects are deleted when they drop, so
+/// keep the binding), a connection, and queue `q`'s topology with its own delay levels, and its
+/// full name.
+pub async fn fixture(
+    test: &str,
+    queue_type: QueueType,
+    levels: u8,
+    level_type: QueueType,
+) -> (Names, Connection, Topology, String) {
+    let names = Names::new(test);
+    let conn = redeliver_testkit::connect().await;
+    let topo = names.topology("q", queue_type, names.delay(levels, level_type));
+    let queue = topo.queue_name();
+    (names, conn, topo, queue)
+}
