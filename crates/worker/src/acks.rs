@@ -17,8 +17,9 @@
 //! per message (an earlier version sent it every report over a channel, a wake-up per message).
 //!
 //! A run is sent once it holds a tenth of the prefetch (RabbitMQ's advice: ack every 5-10 % of
-//! the prefetch), or after lingering [`LINGER`] (what a quiet consumer waits for its ack). Sending each small run as soon as it formed cost the broker several
-//! frames per 20 messages and kept the worker at 0.6x of a batching consumer's throughput.
+//! the prefetch), or after lingering [`LINGER`] (what a quiet consumer waits for its ack).
+//! Sending each small run as soon as it formed cost the broker several frames per 20 messages
+//! and kept the worker at 0.6x of a batching consumer's throughput.
 //!
 //! A slow handler at the front of the window would hold back every ack behind it and, once the
 //! prefetch window is full of finished-but-unacked deliveries, stall the consumer. Finished tags
@@ -39,9 +40,9 @@ use crate::meters::Meters;
 
 /// How long a finished delivery may wait behind an unfinished older one before it is acked on
 /// its own (between one and two of these in practice).
-pub(crate) const STALE_AFTER: Duration = Duration::from_millis(25);
+const STALE_AFTER: Duration = Duration::from_millis(25);
 /// Longest a finished run below the batch size waits for more completions.
-pub(crate) const LINGER: Duration = Duration::from_millis(2);
+const LINGER: Duration = Duration::from_millis(2);
 
 /// What the consume loop, the delivery tasks and the ack task share.
 struct State {
@@ -114,11 +115,11 @@ impl AckSender {
     }
 
     fn wake_if_needed(&self, st: MutexGuard<'_, State>) {
-        let wake = if st.lingering {
-            st.window.run_is_due(st.batch)
-        } else {
-            st.window.front_run_reaches(1)
-        };
+        // Lingering, the ack task needs waking only for a full batch; otherwise for any run,
+        // so that it starts lingering.
+        let wake = st
+            .window
+            .front_run_reaches(if st.lingering { st.batch } else { 1 });
         drop(st);
         if wake {
             self.shared.wake.notify_one();
@@ -146,11 +147,13 @@ enum Slot {
     Running,
     /// Finished, may be acked: the tick at which it finished, and whether it succeeded.
     Ack(u64, bool),
-    /// Settled by its own task.
-    Released,
 }
 
-/// The outstanding tags of a channel, oldest first. Pure bookkeeping, so it is tested alone.
+/// The tags of a channel not settled yet, oldest first. A tag settled by its own frame (a reject,
+/// a nack, an ack sent alone) leaves the window at once: a later multiple ack may cover it, since
+/// the broker ignores settled tags below the one it names, and keeping it would let the window
+/// grow without bound behind a delivery that never finishes. Pure bookkeeping, so it is tested
+/// alone.
 #[derive(Debug, Default)]
 pub(crate) struct Window {
     slots: VecDeque<(u64, Slot)>,
@@ -172,61 +175,42 @@ impl Window {
         self.slots.push_back((tag, Slot::Running));
     }
 
-    fn set(&mut self, tag: u64, slot: Slot) {
-        if let Ok(i) = self.slots.binary_search_by_key(&tag, |(t, _)| *t) {
-            if self.slots[i].1 == Slot::Running {
-                self.slots[i].1 = slot;
-            }
-        }
+    /// Index of a running `tag`; `None` for a tag unknown or already finished, so repeated
+    /// reports are ignored.
+    fn running(&self, tag: u64) -> Option<usize> {
+        let i = self.slots.binary_search_by_key(&tag, |(t, _)| *t).ok()?;
+        (self.slots[i].1 == Slot::Running).then_some(i)
     }
 
     fn ack(&mut self, tag: u64, success: bool) {
-        let tick = self.tick;
-        self.set(tag, Slot::Ack(tick, success));
+        if let Some(i) = self.running(tag) {
+            self.slots[i].1 = Slot::Ack(self.tick, success);
+        }
     }
 
     fn release(&mut self, tag: u64) {
-        self.set(tag, Slot::Released);
+        if let Some(i) = self.running(tag) {
+            self.slots.remove(i);
+        }
     }
 
-    /// Pops the finished run at the front: one multiple ack up to its last acked tag.
+    /// Pops the finished run at the front: one multiple ack up to its last tag.
     fn take_run(&mut self) -> Option<(u64, u64)> {
         let mut last = None;
         let mut count = 0;
-        while let Some(&(tag, slot)) = self.slots.front() {
-            match slot {
-                Slot::Running => break,
-                Slot::Ack(_, success) => {
-                    last = Some(tag);
-                    count += u64::from(success);
-                }
-                Slot::Released => {}
-            }
+        while let Some(&(tag, Slot::Ack(_, success))) = self.slots.front() {
+            last = Some(tag);
+            count += u64::from(success);
             self.slots.pop_front();
         }
         last.map(|t| (t, count))
     }
 
-    /// Acks waiting in the finished run at the front.
-    fn front_run(&self) -> usize {
-        self.slots
-            .iter()
-            .take_while(|(_, slot)| *slot != Slot::Running)
-            .filter(|(_, slot)| matches!(slot, Slot::Ack(..)))
-            .count()
-    }
-
-    /// Whether the run at the front should go now rather than wait for more completions.
-    fn run_is_due(&self, batch: usize) -> bool {
-        self.front_run_reaches(batch)
-    }
-
-    /// `front_run() >= n`, looking no further than needed.
+    /// Whether the finished run at the front holds at least `n` tags, looking no further.
     fn front_run_reaches(&self, n: usize) -> bool {
         self.slots
             .iter()
             .take_while(|(_, slot)| *slot != Slot::Running)
-            .filter(|(_, slot)| matches!(slot, Slot::Ack(..)))
             .nth(n.saturating_sub(1))
             .is_some()
     }
@@ -239,15 +223,15 @@ impl Window {
         } else {
             None
         };
+        let tick = self.tick;
         let mut single = Vec::new();
-        for (tag, slot) in self.slots.iter_mut() {
-            if let Slot::Ack(since, success) = *slot {
-                if all || since + 1 < self.tick {
-                    single.push((*tag, success));
-                    *slot = Slot::Released;
-                }
+        self.slots.retain(|&(tag, slot)| match slot {
+            Slot::Ack(since, success) if all || since + 1 < tick => {
+                single.push((tag, success));
+                false
             }
-        }
+            _ => true,
+        });
         Frames { multiple, single }
     }
 
@@ -278,10 +262,10 @@ async fn run(channel: Channel, meters: Meters, shared: Arc<Shared>) {
             let mut st = shared.lock();
             let flushes = std::mem::take(&mut st.flushes);
             let all = st.closed || !flushes.is_empty();
-            let with_run = lingered || st.window.run_is_due(st.batch);
+            let with_run = lingered || st.window.front_run_reaches(st.batch);
             let frames = st.window.frames(all, with_run);
             held_since = match held_since {
-                _ if st.window.front_run() == 0 => None,
+                _ if !st.window.front_run_reaches(1) => None,
                 Some(t) => Some(t),
                 None => Some(Instant::now()),
             };
@@ -414,7 +398,22 @@ mod tests {
                 single: vec![(3, true)]
             }
         );
-        assert_eq!(w.slots.len(), 3, "released, but still behind running ones");
+        assert_eq!(w.slots.len(), 2, "acked alone, so no longer tracked");
+    }
+
+    #[test]
+    fn the_window_stays_bounded_behind_a_delivery_that_never_finishes() {
+        let mut w = window(1..=1);
+        for tag in 2..=10_000 {
+            w.register(tag);
+            w.ack(tag, true);
+            w.next_tick();
+            w.next_tick();
+            assert_eq!(w.frames(false, false).single, vec![(tag, true)]);
+        }
+        assert_eq!(w.slots.len(), 1, "only the stuck one is tracked");
+        w.ack(1, true);
+        assert_eq!(w.frames(false, true).multiple, Some((1, 1)));
     }
 
     #[test]
@@ -422,18 +421,21 @@ mod tests {
         let mut w = window(1..=4);
         w.ack(1, true);
         w.ack(2, true);
-        assert_eq!(w.front_run(), 2);
-        assert!(!w.run_is_due(3), "2 of a batch of 3, and 3 and 4 still run");
+        assert!(w.front_run_reaches(2));
+        assert!(
+            !w.front_run_reaches(3),
+            "2 of a batch of 3, and 3 and 4 still run"
+        );
         assert_eq!(w.frames(false, false), Frames::default(), "held back");
         w.ack(3, true);
-        assert!(w.run_is_due(3), "a full batch");
+        assert!(w.front_run_reaches(3), "a full batch");
         w.release(4);
         assert!(
-            !w.run_is_due(4),
+            !w.front_run_reaches(4),
             "released tags do not count towards a batch"
         );
         assert_eq!(w.frames(false, true).multiple, Some((3, 3)));
-        assert_eq!(w.front_run(), 0);
+        assert!(!w.front_run_reaches(1));
     }
 
     #[test]
