@@ -1,8 +1,8 @@
-//! The worker's metric handles, registered once per run.
+//! The worker's metric handles, resolved once per connection.
 //!
 //! A `metrics::counter!` call with a label builds its key and looks it up in the recorder every
 //! time; on the per-message path that is an allocation and a hash lookup per metric. The handles
-//! are resolved once when the worker starts running, so install the recorder (for instance with
+//! are resolved when a session starts, so install the recorder (for instance with
 //! [`install_prometheus`](crate::health::install_prometheus)) before running the worker.
 
 use metrics::{Counter, Gauge, Histogram};

@@ -585,14 +585,13 @@ async fn reconnect_loop(
     let mut prev_delay: Option<Duration> = None;
     let mut ever_consumed = false;
     // Round robin over the URLs; `tried` counts the failures since the last pause, so a pause
-    // comes only after every URL failed once.
-    let mut next_url = 0usize;
+    // comes only after every URL failed once, and `failures` counts such failed rounds.
+    let mut url_index = 0usize;
     let mut tried = 0usize;
     loop {
         if token.is_cancelled() {
             break;
         }
-        let url_index = next_url % config.urls.len();
         let url = &config.urls[url_index];
         status.set(if ever_consumed {
             WorkerState::Reconnecting
@@ -606,7 +605,7 @@ async fn reconnect_loop(
         let failed = match opened {
             Ok(Ok(session)) => {
                 if ever_consumed {
-                    info!(queue = %config.queue, broker = %redact_url(url), after_failed_attempts = failures, "connection recovered; consuming again");
+                    info!(queue = %config.queue, broker = %redact_url(url), after_failed_rounds = failures, "connection recovered; consuming again");
                 } else {
                     info!(
                         queue = %config.queue,
@@ -631,7 +630,7 @@ async fn reconnect_loop(
                     SessionEnd::Lost(reason) => {
                         warn!(queue = %config.queue, broker = %redact_url(url), reason = %reason, "consumer session lost; reconnecting");
                         // The node may be gone: start the next round with another one.
-                        next_url = next_url.wrapping_add(1);
+                        url_index = (url_index + 1) % config.urls.len();
                         metrics::counter!(metrics_names::RECONNECTS, metrics_names::LABEL_QUEUE => config.queue.clone())
                             .increment(1);
                         status.set(WorkerState::Reconnecting);
@@ -641,16 +640,16 @@ async fn reconnect_loop(
             }
             Ok(Err(e)) if e.is_fatal() => return Err(e),
             Ok(Err(e)) => {
-                warn!(queue = %config.queue, broker = %redact_url(url), attempt = failures + 1, error = %e, "cannot connect and consume");
+                warn!(queue = %config.queue, broker = %redact_url(url), round = failures + 1, error = %e, "cannot connect and consume");
                 true
             }
             Err(_elapsed) => {
-                warn!(queue = %config.queue, broker = %redact_url(url), attempt = failures + 1, timeout = ?CONNECT_TIMEOUT, "connect attempt timed out");
+                warn!(queue = %config.queue, broker = %redact_url(url), round = failures + 1, timeout = ?CONNECT_TIMEOUT, "connect attempt timed out");
                 true
             }
         };
         if failed {
-            next_url = next_url.wrapping_add(1);
+            url_index = (url_index + 1) % config.urls.len();
             tried += 1;
             if tried < config.urls.len() {
                 // Another node may answer right away: no pause within a round.
