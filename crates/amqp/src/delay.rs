@@ -335,10 +335,16 @@ impl DelayConfig {
         t
     }
 
-    /// Arguments of the unroutable queue (always quorum: it parks messages for an operator).
+    /// Arguments of the unroutable queue: always quorum, and since it parks messages for an
+    /// operator, with a delivery limit no listing can reach
+    /// ([`OPERATOR_DELIVERY_LIMIT`](crate::topology::OPERATOR_DELIVERY_LIMIT)).
     pub fn unroutable_queue_arguments(&self) -> FieldTable {
         let mut t = FieldTable::default();
         t.insert("x-queue-type".into(), text("quorum"));
+        t.insert(
+            "x-delivery-limit".into(),
+            AMQPValue::LongLongInt(crate::topology::OPERATOR_DELIVERY_LIMIT),
+        );
         t
     }
 
@@ -577,6 +583,11 @@ mod tests {
             .queue_type(QueueType::Classic)
             .level_queue_arguments(0);
         assert_eq!(classic.inner().len(), 2);
+        let parking = c.unroutable_queue_arguments();
+        assert_eq!(
+            parking.inner().get("x-delivery-limit"),
+            Some(&AMQPValue::LongLongInt(2_147_483_647))
+        );
         assert_eq!(c.declare_ops(false).len(), 4 + 4 * 24);
         assert_eq!(c.declare_ops(true).len(), 3 + 2 * 24);
     }

@@ -45,6 +45,7 @@ pub mod delay;
 pub mod headers;
 pub mod names;
 pub mod publisher;
+pub mod server;
 pub mod topology;
 
 pub use lapin;
@@ -53,4 +54,5 @@ pub use delay::{DelayConfig, DelayError, DelayRoute, OverMax};
 pub use headers::{RetryState, XDeath};
 pub use names::{validate_queue_name, NameError};
 pub use publisher::{OutgoingMessage, PublishError, Publisher};
+pub use server::{BrokerVersion, ServerInfo};
 pub use topology::{Binding, QueueType, Topology, TopologyError};

@@ -6,7 +6,7 @@
 //! |---|---|---|
 //! | `Q` | quorum (default) or classic queue | `x-dead-letter-exchange = Q.dlx`, `x-dead-letter-routing-key = Q`; quorum: `x-delivery-limit` (default 20), `x-dead-letter-strategy = at-least-once`, `x-overflow = reject-publish` |
 //! | `Q.dlx` | direct exchange | |
-//! | `Q.dlq` | classic (default) or quorum queue bound to `Q.dlx` with key `Q` | optional `x-message-ttl`, `x-max-length`; quorum: `x-queue-type = quorum` |
+//! | `Q.dlq` | classic (default) or quorum queue bound to `Q.dlx` with key `Q` | optional `x-message-ttl`, `x-max-length`; quorum: `x-queue-type = quorum`, `x-delivery-limit =` [`OPERATOR_DELIVERY_LIMIT`] |
 //!
 //! Every declaration runs on a channel this crate opens and closes itself: a 406
 //! PRECONDITION_FAILED closes the channel it happens on, and it should never be one of yours.
@@ -26,6 +26,17 @@ use crate::names::{self, NameError};
 use lapin::types::{AMQPValue, FieldTable, LongString};
 use lapin::ExchangeKind;
 use std::time::Duration;
+
+/// `x-delivery-limit` of every quorum queue that holds messages for an operator (a quorum
+/// `Q.dlq`, the delay levels' parking queue): 2^31 - 1, a limit no reading can reach.
+///
+/// From RabbitMQ 4.0 every quorum queue has a delivery limit (20 when none is declared), and
+/// reading a message without acknowledging it spends one attempt: an operator queue without
+/// its own limit drops a message for good after ~20 listings (it has no dead-letter exchange).
+/// The usual way to disable the limit, `-1`, works only from 4.0: RabbitMQ 3.10 drops the
+/// message on its first return. A large limit means the same on every version, so a queue
+/// declared on 3.x keeps its arguments, and its messages, through an upgrade to 4.x.
+pub const OPERATOR_DELIVERY_LIMIT: i64 = i32::MAX as i64;
 
 /// Type of a queue.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
@@ -275,6 +286,10 @@ impl Topology {
         let mut t = FieldTable::default();
         if self.dlq_queue_type == QueueType::Quorum {
             t.insert("x-queue-type".into(), text("quorum"));
+            t.insert(
+                "x-delivery-limit".into(),
+                AMQPValue::LongLongInt(OPERATOR_DELIVERY_LIMIT),
+            );
         }
         if let Some(d) = self.dlq_message_ttl {
             let ms = i64::try_from(d.as_millis()).unwrap_or(i64::MAX);
@@ -745,7 +760,7 @@ mod tests {
         let q = Topology::new("o").dlq_queue_type(QueueType::Quorum);
         assert_eq!(
             describe_args(&q.dlq_arguments()),
-            r#"{x-queue-type = "quorum"}"#
+            r#"{x-delivery-limit = 2147483647, x-queue-type = "quorum"}"#
         );
     }
 

@@ -3,7 +3,7 @@ mod common;
 
 use redeliver_amqp::headers::x_death;
 use redeliver_amqp::lapin::options::{BasicAckOptions, BasicNackOptions, BasicRejectOptions};
-use redeliver_amqp::lapin::BasicProperties;
+use redeliver_amqp::lapin::{BasicProperties, Connection};
 use redeliver_amqp::topology::QueueType;
 use redeliver_amqp::{DelayConfig, Publisher, Topology, TopologyError};
 use std::time::Duration;
@@ -101,9 +101,41 @@ async fn reject_to_dlq(t: Topology) {
     .await;
 }
 
+/// Returns the one message of `q` until it stops coming back: by `basic.nack(requeue)` when
+/// `nack`, else by closing the channel it was delivered on (what a crashing worker does). Gives
+/// up after `max` deliveries; returns how many there were.
+async fn return_until_gone(conn: &Connection, q: &str, nack: bool, max: u32) -> u32 {
+    let mut deliveries = 0;
+    let mut ch = conn.create_channel().await.unwrap();
+    while deliveries < max {
+        let Some(m) = common::get(&ch, q, Duration::from_millis(1500)).await else {
+            break;
+        };
+        deliveries += 1;
+        if nack {
+            m.nack(BasicNackOptions {
+                requeue: true,
+                multiple: false,
+            })
+            .await
+            .unwrap();
+        } else {
+            ch.close(200, "returning".into()).await.unwrap();
+            ch = conn.create_channel().await.unwrap();
+        }
+    }
+    let _ = ch.close(200, "done".into()).await;
+    deliveries
+}
+
+/// The poison guard: a quorum queue dead-letters a message returned more often than
+/// `x-delivery-limit`, with x-death reason `delivery_limit`. A return by a closed channel (a
+/// crashing worker) counts on every version; a `basic.nack(requeue = true)` counts before 4.3
+/// and not from 4.3 (measured: RabbitMQ 3.10.8 and 4.0.5 count it, 4.3.6 does not).
 #[tokio::test]
 async fn quorum_delivery_limit_dead_letters() {
     let conn = common::connect().await;
+    let version = redeliver_testkit::broker_version().await;
     let p = common::prefix();
     let limit = 3;
     let t = topo(&p, "lim").delivery_limit(Some(limit));
@@ -114,38 +146,45 @@ async fn quorum_delivery_limit_dead_letters() {
                 .await
                 .unwrap();
             let q = t.queue_name();
-            publisher
-                .publish_bytes("", &q, b"crash", BasicProperties::default())
-                .await
-                .unwrap();
-            let ch = conn.create_channel().await.unwrap();
-            let mut deliveries = 0;
-            // Each nack-with-requeue stands for a worker dying on the message.
-            while let Some(m) = common::get(&ch, &q, Duration::from_millis(1500)).await {
-                deliveries += 1;
-                assert!(deliveries <= limit + 1, "delivery limit not enforced");
-                m.nack(BasicNackOptions {
-                    requeue: true,
-                    multiple: false,
-                })
-                .await
-                .unwrap();
+            for (nack, body) in [(true, &b"nacked"[..]), (false, &b"crash"[..])] {
+                publisher
+                    .publish_bytes("", &q, body, BasicProperties::default())
+                    .await
+                    .unwrap();
+                let deliveries = return_until_gone(&conn, &q, nack, 2 * limit + 2).await;
+                let how = if nack { "nack(requeue)" } else { "channel close" };
+                println!("RabbitMQ {version}: {how}: delivered {deliveries} times with x-delivery-limit = {limit}");
+                if nack && !version.requeue_counts_toward_delivery_limit() {
+                    assert_eq!(deliveries, 2 * limit + 2, "{version}: nack must not count");
+                    // Still there: take it so the close test starts from an empty queue.
+                    let ch = ch_for(&conn).await;
+                    let m = common::get(&ch, &q, Duration::from_secs(5))
+                        .await
+                        .expect("the nacked message is still in Q");
+                    assert_eq!(m.data, b"nacked");
+                    m.ack(BasicAckOptions::default()).await.unwrap();
+                    continue;
+                }
+                assert_eq!(deliveries, limit + 1, "{version}: {how} must count");
+                let ch = ch_for(&conn).await;
+                let dead = common::get(&ch, &t.dlq_name(), Duration::from_secs(5))
+                    .await
+                    .expect("in Q.dlq");
+                let deaths = x_death(dead.properties.headers().as_ref());
+                println!("{deaths:?}");
+                assert_eq!(deaths[0].reason, "delivery_limit");
+                assert_eq!(deaths[0].queue, q);
+                assert_eq!(dead.data, body);
+                dead.ack(BasicAckOptions::default()).await.unwrap();
             }
-            println!("delivered {deliveries} times with x-delivery-limit = {limit}");
-            assert_eq!(deliveries, limit + 1);
-            let dead = common::get(&ch, &t.dlq_name(), Duration::from_secs(5))
-                .await
-                .expect("in Q.dlq");
-            let deaths = x_death(dead.properties.headers().as_ref());
-            println!("{deaths:?}");
-            assert_eq!(deaths[0].reason, "delivery_limit");
-            assert_eq!(deaths[0].queue, q);
-            assert_eq!(dead.data, b"crash");
-            dead.ack(BasicAckOptions::default()).await.unwrap();
         },
         cleanup(&conn, &t),
     )
     .await;
+}
+
+async fn ch_for(conn: &Connection) -> redeliver_amqp::lapin::Channel {
+    conn.create_channel().await.unwrap()
 }
 
 #[tokio::test]

@@ -18,9 +18,12 @@ channel WITHOUT acknowledging anything. The broker puts every unacknowledged mes
 original position, in the original order, for classic and quorum queues alike. basic.get with \
 a requeue after each message is not used: every requeue puts that message back at the head one \
 by one, which reorders the queue for the next reader. Side effects of reading: the messages are \
-marked redelivered, and a quorum queue may count the return in x-delivery-count (Q.dlq is a \
-classic queue and the parking queue has no delivery limit, so nothing is dropped). Messages \
-published while the listing runs are not shown.";
+marked redelivered, and a quorum queue counts the return as a delivery attempt \
+(x-delivery-count). From RabbitMQ 4.0 every quorum queue has a delivery limit (20 unless \
+declared otherwise) and drops a message that reaches it when it has no dead-letter exchange: \
+the parking queue and a quorum Q.dlq are therefore declared with x-delivery-limit 2147483647, \
+which no listing can reach (a classic Q.dlq has no limit at all). Messages published while the \
+listing runs are not shown.";
 
 /// Operator tool for redeliver: topology, dead-letter queues and the delay infrastructure.
 #[derive(Parser, Debug)]

@@ -352,3 +352,67 @@ async fn missing_queue_says_how_to_declare() {
         out.stderr
     );
 }
+
+/// Every listing returns what it read, and a quorum queue counts each return as a delivery
+/// attempt; from RabbitMQ 4.0 a quorum queue without its own limit drops a message after 20.
+/// 100 listings of a quorum DLQ and of the parking queue leave every message in place, in
+/// order, on every broker.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hundred_listings_keep_every_operator_message() {
+    let conn = connect().await;
+    let version = redeliver_testkit::broker_version().await;
+    let p = prefix();
+    let _cleanup = Cleanup::new(&p, &["keep"]);
+    declare("keep", &p, &["--quorum-dlq"]);
+    let q = format!("{p}keep");
+    let dlq = format!("{q}.dlq");
+    let ids: Vec<String> = (0..3).map(|i| format!("keep-{i}")).collect();
+    for (i, id) in ids.iter().enumerate() {
+        publish(&conn, &q, id, &body(i), user_headers()).await;
+    }
+    reject_all(&conn, &q, ids.len()).await;
+    wait_count(&conn, &dlq, 3, Duration::from_secs(10)).await;
+
+    // Parked: delayed copies for a queue that was never declared.
+    let cfg = DelayConfig::new().prefix(p.clone()).levels(LEVELS);
+    let parking = cfg.unroutable_name();
+    let publisher = redeliver_amqp::Publisher::new(&conn, cfg.clone())
+        .await
+        .unwrap();
+    for id in &ids {
+        let props = lapin::BasicProperties::default().with_message_id(id.as_str().into());
+        publisher
+            .publish_delayed(&format!("{p}nowhere"), Duration::ZERO, b"parked", props)
+            .await
+            .unwrap();
+    }
+    wait_count(&conn, &parking, 3, Duration::from_secs(10)).await;
+
+    let levels = LEVELS.to_string();
+    for round in 1..=100 {
+        assert_eq!(
+            ids_of(&list_json("keep", &p, &[])),
+            ids,
+            "RabbitMQ {version}: quorum DLQ after {round} listings"
+        );
+        let parked = cli(&[
+            "unroutable",
+            "list",
+            "--prefix",
+            &p,
+            "--levels",
+            &levels,
+            "--json",
+        ])
+        .ok();
+        let parked: Value = serde_json::from_str(&parked.stdout).unwrap();
+        assert_eq!(
+            ids_of(&parked),
+            ids,
+            "RabbitMQ {version}: parking queue after {round} listings"
+        );
+    }
+    assert_eq!(count(&conn, &dlq).await, 3);
+    assert_eq!(count(&conn, &parking).await, 3);
+    println!("RabbitMQ {version}: 100 listings of {dlq} and {parking}: 3 + 3 messages kept");
+}

@@ -43,6 +43,43 @@ pub async fn connect() -> Connection {
     }
 }
 
+/// What the test broker at [`amqp_url`] announces in `connection.start` (product, version):
+/// tests that depend on broker semantics assert the behaviour of this version.
+///
+/// # Panics
+///
+/// When the broker cannot be reached, with instructions ([`START_BROKER`]), or announces no
+/// version.
+pub async fn broker() -> redeliver_amqp::server::ServerInfo {
+    let url = amqp_url();
+    match redeliver_amqp::server::ServerInfo::probe(&url).await {
+        Ok(info) if info.version().is_some() => info,
+        Ok(info) => panic!(
+            "the broker at {} announced no version: {info:?}",
+            redact(&url)
+        ),
+        Err(e) => panic!("cannot reach RabbitMQ: {e}\n{START_BROKER}"),
+    }
+}
+
+/// The test broker's version ([`broker`]).
+pub async fn broker_version() -> redeliver_amqp::server::BrokerVersion {
+    let info = broker().await;
+    info.version()
+        .unwrap_or_else(|| panic!("no version: {info:?}"))
+}
+
+/// The URL without its password, for failure messages.
+fn redact(url: &str) -> String {
+    match (url.find("://"), url.rfind('@')) {
+        (Some(s), Some(at)) if at > s => match url[s + 3..at].find(':') {
+            Some(c) => format!("{}:***{}", &url[..s + 3 + c], &url[at..]),
+            None => url.to_owned(),
+        },
+        _ => url.to_owned(),
+    }
+}
+
 /// `hex_len` random hex digits (at most 32), different on every call.
 pub fn unique_id(hex_len: usize) -> String {
     let id = uuid::Uuid::new_v4().simple().to_string();
