@@ -8,7 +8,8 @@
 //! - the body must be JSON `{"id": "...", "mode": "..."}` (`mode` optional); anything else is
 //!   dead-lettered by the worker without calling the handler;
 //! - `mode` forces a behaviour: `ok`, `fail` (transient error every time), `permanent`, `panic`,
-//!   `hang`; without it the seeded rates `--fail-rate`, `--panic-rate`, `--hang-rate` decide;
+//!   `hang`, `abort` (the process dies on the spot, as a worker crashing on a poison message);
+//!   without it the seeded rates `--fail-rate`, `--panic-rate`, `--hang-rate` decide;
 //! - on success the message id is appended to the `--record` file *before* the handler returns,
 //!   so the ack can only follow a recorded success. A kill between the two gives a duplicate
 //!   (recorded twice), never a success nobody recorded.
@@ -173,6 +174,7 @@ enum Behaviour {
     Permanent,
     Panic,
     Hang,
+    Abort,
 }
 
 /// Settings and shared files of the handler.
@@ -216,6 +218,7 @@ impl App {
             Some("permanent") => return Behaviour::Permanent,
             Some("panic") => return Behaviour::Panic,
             Some("hang") => return Behaviour::Hang,
+            Some("abort") => return Behaviour::Abort,
             _ => {}
         }
         // Independent draws so that changing one rate does not move the others' choices.
@@ -288,6 +291,8 @@ impl App {
                 return Err(HandlerError::permanent("injected permanent error"))
             }
             Behaviour::Panic => panic!("injected panic for {id} (attempt {attempt})"),
+            // No unwinding, no shutdown: the connection drops with the delivery unacked.
+            Behaviour::Abort => std::process::abort(),
             Behaviour::Hang => {
                 // Past the handler timeout the worker drops this future; without one this is
                 // just a slow success.

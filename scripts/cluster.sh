@@ -17,6 +17,7 @@
 #   stop-node I    stop node I only (the fault the cluster test injects)
 #   start-node I   start node I again; it rejoins the cluster on its own
 #   urls           print the AMQP URLs, comma-separated (what the tests pass to the worker)
+#   ctl I ARGS...  rabbitmqctl ARGS against node I (as the user whose cookie the nodes share)
 #
 # settings (environment):
 #   RD_CLUSTER_NAME       node name stem                       default rdcluster
@@ -25,11 +26,30 @@
 #                         management: +10000, Erlang distribution: +20000
 #   RD_CLUSTER_DIR        data, logs and config                default /tmp/redeliver-$RD_CLUSTER_NAME
 #   RD_CLUSTER_MANAGEMENT 1 to enable the management plugin    default 1
+#   RD_CLUSTER_CHROOT     run the nodes with the RabbitMQ of this chroot (scripts/rabbitmq4.sh
+#                         makes them: /var/lib/redeliver-brokers/rabbit4 is 4.3.6)  default: the system's
 #
 # Node I is named $RD_CLUSTER_NAME-I@localhost; `rabbitmqctl -n rdcluster-1@localhost ...` talks
 # to it. Run as root (the nodes then run as the rabbitmq user, sharing its Erlang cookie with
 # rabbitmqctl) or as the user that owns ~/.erlang.cookie.
 set -euo pipefail
+
+# Another RabbitMQ version lives in a chroot: run this very script inside it. The chroot shares
+# the host's network and epmd, so the nodes' ports and names are the same as outside.
+if [ -n "${RD_CLUSTER_CHROOT:-}" ] && [ -z "${RD_CLUSTER_IN_CHROOT:-}" ]; then
+  root=$RD_CLUSTER_CHROOT
+  [ -x "$root/usr/lib/rabbitmq/bin/rabbitmq-server" ] || {
+    echo "RD_CLUSTER_CHROOT=$root holds no RabbitMQ (run scripts/rabbitmq4.sh provision)" >&2
+    exit 1
+  }
+  mountpoint -q "$root/proc" || mount -t proc proc "$root/proc"
+  mountpoint -q "$root/dev" || mount --bind /dev "$root/dev"
+  mountpoint -q "$root/sys" || mount --bind /sys "$root/sys"
+  mkdir -p "$root/opt/redeliver"
+  cp "$0" "$root/opt/redeliver/cluster.sh"
+  exec chroot "$root" env RD_CLUSTER_IN_CHROOT=1 PATH=/usr/sbin:/usr/bin:/sbin:/bin \
+    bash /opt/redeliver/cluster.sh "$@"
+fi
 
 NAME=${RD_CLUSTER_NAME:-rdcluster}
 NODES=${RD_CLUSTER_NODES:-3}
@@ -225,13 +245,19 @@ stop-node)
   node_arg "${2:-}"
   ctl "$2" -q stop
   ;;
+ctl)
+  node_arg "${2:-}"
+  i=$2
+  shift 2
+  ctl "$i" "$@"
+  ;;
 start-node)
   node_arg "${2:-}"
   start_node "$2"
   await_node "$2"
   ;;
 *)
-  sed -n '2,31p' "$0" | sed 's/^# \{0,1\}//'
+  sed -n '2,34p' "$0" | sed 's/^# \{0,1\}//'
   exit 2
   ;;
 esac

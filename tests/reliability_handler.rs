@@ -133,3 +133,53 @@ async fn handlers_hanging_past_the_timeout_are_retried() {
     })
     .await;
 }
+
+/// The poison guard: a message that kills the worker process every time it is delivered ends in
+/// the DLQ, dead-lettered by the quorum queue itself (x-death reason `delivery_limit`) once it was
+/// returned `x-delivery-limit` times, on every broker (a return by a dropped connection counts on
+/// RabbitMQ 4.3 too). The worker is restarted after each crash; the other messages all succeed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_message_that_kills_the_worker_ends_in_the_dlq() {
+    const LIMIT: u32 = 3;
+    let version = redeliver_testkit::broker_version().await;
+    let shape = Shape {
+        delivery_limit: LIMIT,
+        ..Shape::default()
+    };
+    let s = Scenario::new("poison", shape).await;
+    s.run(|s| async move {
+        let mut ids = s.publish(20).await;
+        let poison = vec![format!("{}poison", s.prefix)];
+        s.publish_ids(&poison, |_| Some("abort")).await;
+        ids.extend(poison.iter().cloned());
+        let set: HashSet<String> = ids.iter().cloned().collect();
+        let cmd = s.worker().arg("concurrency", 1).arg("prefetch", 1);
+        let mut crashes = 0;
+        let deadline = Instant::now() + Duration::from_secs(90);
+        let mut w = cmd.spawn("w-0");
+        while s.progress(&set) + (s.counts().await.dlq as usize) < set.len() {
+            assert!(Instant::now() < deadline, "not settled after {crashes} crashes");
+            if !w.is_running() {
+                crashes += 1;
+                assert!(crashes <= LIMIT + 1, "the broker never dead-lettered the poison");
+                w = cmd.spawn(&format!("w-{crashes}"));
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        s.wait_settled(&set, Duration::from_secs(30)).await;
+        w.terminate(Duration::from_secs(10)).await;
+        let acc = s.account(&ids).await;
+        acc.assert_settled("poison message");
+        let dead = acc.dlq.iter().find(|g| g.id == poison[0]);
+        let dead = dead.unwrap_or_else(|| panic!("the poison is not in the DLQ"));
+        assert_eq!(dead.death_reason().as_deref(), Some("delivery_limit"));
+        let deliveries = s.calls().iter().filter(|c| c.2 == "abort").count();
+        assert_eq!(deliveries, LIMIT as usize + 1, "delivered until past the limit");
+        report(format!(
+            "RabbitMQ {version}: poison message: {deliveries} deliveries, each a worker crash, then \
+             dead-lettered by the broker (x-delivery-limit {LIMIT}); DLQ reasons {:?}",
+            acc.dlq_reasons()
+        ));
+    })
+    .await;
+}

@@ -1247,36 +1247,20 @@ impl Nodes {
 
     /// `rabbitmqctl -n <node i> eval <expr>`; the printed result.
     pub async fn eval(&self, i: u32, expr: &str) -> String {
-        let full = vec![
-            "-n".to_owned(),
-            self.node_name(i),
-            "eval".to_owned(),
-            expr.to_owned(),
-        ];
-        let out =
-            tokio::task::spawn_blocking(move || Command::new("rabbitmqctl").args(&full).output())
-                .await
-                .expect("rabbitmqctl task")
-                .expect("run rabbitmqctl");
-        String::from_utf8_lossy(&out.stdout).trim().to_owned()
+        let i = i.to_string();
+        self.script(&["ctl", &i, "eval", expr])
+            .await
+            .trim()
+            .to_owned()
     }
 
-    /// `rabbitmqctl -n <node i> args...` (through the script's user handling).
+    /// `rabbitmqctl -n <node i> args...` (through the script, which knows the nodes' user and,
+    /// for another RabbitMQ version, its chroot); panics on failure.
     pub async fn rabbitmqctl(&self, i: u32, args: &[&str]) {
-        let node = self.node_name(i);
-        let mut full = vec!["-n".to_owned(), node];
-        full.extend(args.iter().map(|s| (*s).to_owned()));
-        let out =
-            tokio::task::spawn_blocking(move || Command::new("rabbitmqctl").args(&full).output())
-                .await
-                .expect("rabbitmqctl task")
-                .expect("run rabbitmqctl");
-        assert!(
-            out.status.success(),
-            "rabbitmqctl {args:?} failed: {}{}",
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        );
+        let i = i.to_string();
+        let mut full = vec!["ctl", i.as_str()];
+        full.extend_from_slice(args);
+        self.script(&full).await;
     }
 }
 

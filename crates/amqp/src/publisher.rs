@@ -92,6 +92,20 @@ pub enum PublishError {
         /// The broker's reply text.
         reply_text: String,
     },
+    /// The body is larger than the broker's `max_message_size`: refused before sending when the
+    /// publisher knows the limit ([`Publisher::with_max_message_size`]), or by the broker, which
+    /// then closes the channel (406 PRECONDITION_FAILED). Retrying the same message cannot help.
+    #[error("the message body of {size} bytes exceeds the broker's max_message_size{}; exchange '{exchange}', key '{routing_key}'", limit.map(|l| format!(" of {l} bytes")).unwrap_or_default())]
+    TooLarge {
+        /// Exchange published to.
+        exchange: String,
+        /// Routing key used.
+        routing_key: String,
+        /// The body's size in bytes.
+        size: usize,
+        /// The limit, when known.
+        limit: Option<usize>,
+    },
     /// The delay could not be routed.
     #[error(transparent)]
     Delay(#[from] DelayError),
@@ -116,10 +130,11 @@ pub struct Publisher {
     inner: Arc<Inner>,
 }
 
-#[derive(Debug)]
+#[derive(Clone, Debug)]
 struct Inner {
     channel: Channel,
     delay: DelayConfig,
+    max_message_size: Option<usize>,
 }
 
 impl Publisher {
@@ -131,8 +146,28 @@ impl Publisher {
             .confirm_select(ConfirmSelectOptions::default())
             .await?;
         Ok(Self {
-            inner: Arc::new(Inner { channel, delay }),
+            inner: Arc::new(Inner {
+                channel,
+                delay,
+                max_message_size: None,
+            }),
         })
+    }
+
+    /// Refuse bodies larger than `limit` bytes with [`PublishError::TooLarge`] before sending
+    /// them. Without it the broker refuses them itself by closing the channel, which fails every
+    /// other publish in flight on it. RabbitMQ's default `max_message_size` is 16 MiB from 4.0
+    /// and 128 MiB before ([`BrokerVersion::default_max_message_size`]).
+    ///
+    /// [`BrokerVersion::default_max_message_size`]: crate::server::BrokerVersion::default_max_message_size
+    pub fn with_max_message_size(mut self, limit: usize) -> Self {
+        Arc::make_mut(&mut self.inner).max_message_size = Some(limit);
+        self
+    }
+
+    /// The limit set with [`Self::with_max_message_size`].
+    pub fn max_message_size(&self) -> Option<usize> {
+        self.inner.max_message_size
     }
 
     /// The underlying confirm-mode channel.
@@ -229,21 +264,41 @@ impl Publisher {
         body: &[u8],
         props: BasicProperties,
     ) -> Result<(), PublishError> {
-        let confirm = self
-            .inner
-            .channel
-            .basic_publish(
-                short(exchange)?,
-                short(routing_key)?,
-                BasicPublishOptions {
-                    mandatory: true,
-                    immediate: false,
-                },
-                body,
-                props,
-            )
-            .await?
-            .await?;
+        let too_large = |limit| PublishError::TooLarge {
+            exchange: exchange.to_owned(),
+            routing_key: routing_key.to_owned(),
+            size: body.len(),
+            limit,
+        };
+        if let Some(limit) = self.inner.max_message_size {
+            if body.len() > limit {
+                return Err(too_large(Some(limit)));
+            }
+        }
+        let published = async {
+            self.inner
+                .channel
+                .basic_publish(
+                    short(exchange)?,
+                    short(routing_key)?,
+                    BasicPublishOptions {
+                        mandatory: true,
+                        immediate: false,
+                    },
+                    body,
+                    props,
+                )
+                .await?
+                .await
+                .map_err(PublishError::from)
+        };
+        let confirm = match published.await {
+            Err(PublishError::Amqp(e)) => match refused_size_limit(&e) {
+                Some(limit) => return Err(too_large(limit)),
+                None => return Err(PublishError::Amqp(e)),
+            },
+            other => other?,
+        };
         match confirm {
             Confirmation::Ack(None) => Ok(()),
             Confirmation::Ack(Some(returned)) | Confirmation::Nack(Some(returned)) => {
@@ -261,6 +316,28 @@ impl Publisher {
             }),
         }
     }
+}
+
+/// The broker's refusal of a body over `max_message_size` (406 PRECONDITION_FAILED, "message
+/// size N is larger than configured max size M"): `Some(Some(M))`, or `Some(None)` when the text
+/// names no limit.
+fn refused_size_limit(e: &lapin::Error) -> Option<Option<usize>> {
+    let lapin::ErrorKind::ProtocolError(amqp) = e.kind() else {
+        return None;
+    };
+    let text = amqp.get_message().as_str();
+    if amqp.get_id() != 406 || !text.contains("message size") {
+        return None;
+    }
+    const MARK: &str = "max size ";
+    let limit = text.find(MARK).and_then(|i| {
+        let digits: String = text[i + MARK.len()..]
+            .chars()
+            .take_while(char::is_ascii_digit)
+            .collect();
+        digits.parse().ok()
+    });
+    Some(limit)
 }
 
 /// Fills the properties a publish should always carry, keeping those already set.

@@ -20,9 +20,12 @@ pub mod mgmt;
 pub const DEFAULT_AMQP_URL: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
 
 /// How to get a broker the tests can use; part of every "broker unreachable" failure.
-pub const START_BROKER: &str = "These tests need a real RabbitMQ broker with the management plugin: \
-     start one with `rabbitmq-server -detached` (then `rabbitmq-plugins enable rabbitmq_management`) \
-     or `docker compose -f compose/docker-compose.yml up rabbitmq`, or set AMQP_URL / RABBITMQ_MGMT_URL.";
+pub const START_BROKER: &str =
+    "These tests need a real RabbitMQ broker with the management plugin: \
+     `scripts/ensure-rabbitmq.sh` starts the system's (127.0.0.1:5672, management 15672), \
+     `scripts/rabbitmq4.sh up` starts RabbitMQ 4.3.6 (5673/15673) and 4.0.5 (5674/15674); or \
+     `docker compose -f compose/docker-compose.yml up rabbitmq`. Point AMQP_URL and \
+     RABBITMQ_MGMT_URL at the one to test.";
 
 /// The test broker's URL: `AMQP_URL`, or [`DEFAULT_AMQP_URL`].
 pub fn amqp_url() -> String {

@@ -93,6 +93,7 @@ pub mod health;
 mod meters;
 pub mod metrics_names;
 mod outcome;
+mod requeue;
 mod session;
 pub mod status;
 mod worker;

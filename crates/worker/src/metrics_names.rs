@@ -12,6 +12,7 @@
 //! | [`MESSAGES_RETRIED`] | counter | `queue`, `attempt` |
 //! | [`MESSAGES_DEAD_LETTERED`] | counter | `queue`, `reason` |
 //! | [`MESSAGES_SANITIZED`] | counter | `queue` |
+//! | [`MESSAGES_REQUEUED`] | counter | `queue`, `reason` |
 //! | [`SETTLE_FAILURES`] | counter | `queue` |
 //! | [`HANDLER_DURATION`] | histogram (seconds) | `queue` |
 //! | [`IN_FLIGHT`] | gauge | `queue` |
@@ -28,12 +29,18 @@ pub const MESSAGES_SUCCEEDED: &str = "redeliver_messages_succeeded_total";
 pub const MESSAGES_RETRIED: &str = "redeliver_messages_retried_total";
 /// Deliveries rejected without requeue so that the broker dead-letters them; label `reason` is one
 /// of [`REASON_PERMANENT`], [`REASON_RETRIES_EXHAUSTED`], [`REASON_BUDGET_EXHAUSTED`],
-/// [`REASON_UNDECODABLE`].
+/// [`REASON_UNDECODABLE`], [`REASON_TOO_LARGE`], [`REASON_REQUEUE_LIMIT`].
 pub const MESSAGES_DEAD_LETTERED: &str = "redeliver_messages_dead_lettered_total";
 /// Deliveries whose malformed `x-death` header the worker removed by republishing a repaired copy
 /// to the queue (see [`redeliver_amqp::headers::sanitize_x_death`]); the broker crashes when it
 /// dead-letters such a message.
 pub const MESSAGES_SANITIZED: &str = "redeliver_messages_sanitized_total";
+/// Deliveries the worker gave back to their queue (`basic.nack(requeue = true)`) because the
+/// broker did not confirm the copy that was to replace them; label `reason` is
+/// [`REASON_RETRY_UNCONFIRMED`] or [`REASON_REPAIR_UNCONFIRMED`]. Bounded per message by
+/// `WorkerBuilder::requeue_limit`, past which the message is dead-lettered
+/// ([`REASON_REQUEUE_LIMIT`]).
+pub const MESSAGES_REQUEUED: &str = "redeliver_messages_requeued_total";
 /// Acks, nacks or rejects that did not reach the broker (the delivery's channel died first). The
 /// broker redelivers those messages, so this counts future duplicates.
 pub const SETTLE_FAILURES: &str = "redeliver_settle_failures_total";
@@ -67,3 +74,12 @@ pub const REASON_RETRIES_EXHAUSTED: &str = "retries_exhausted";
 pub const REASON_BUDGET_EXHAUSTED: &str = "budget_exhausted";
 /// Dead-letter reason: the body could not be decoded (poison pill, never retried).
 pub const REASON_UNDECODABLE: &str = "undecodable";
+/// Dead-letter reason: its retry copy would exceed the broker's `max_message_size`.
+pub const REASON_TOO_LARGE: &str = "too_large";
+/// Dead-letter reason: the worker requeued it `requeue_limit` times, each time because the broker
+/// did not confirm its replacement copy.
+pub const REASON_REQUEUE_LIMIT: &str = "requeue_limit";
+/// Requeue reason: the retry copy was not confirmed by the broker.
+pub const REASON_RETRY_UNCONFIRMED: &str = "retry_unconfirmed";
+/// Requeue reason: the copy without a malformed `x-death` was not confirmed by the broker.
+pub const REASON_REPAIR_UNCONFIRMED: &str = "repair_unconfirmed";

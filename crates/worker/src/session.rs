@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use futures::{FutureExt, StreamExt};
 use lapin::message::Delivery;
 use lapin::options::{
-    BasicCancelOptions, BasicConsumeOptions, BasicNackOptions, BasicQosOptions, BasicRejectOptions,
+    BasicCancelOptions, BasicConsumeOptions, BasicQosOptions, BasicRejectOptions,
     QueueDeclareOptions,
 };
 use lapin::types::FieldTable;
@@ -16,6 +16,7 @@ use lapin::{Channel, Connection, ConnectionProperties, Consumer, Event};
 use redeliver_amqp::delay::DelayConfig;
 use redeliver_amqp::headers::{self, RetryState};
 use redeliver_amqp::publisher::{PublishError, Publisher};
+use redeliver_amqp::server::ServerInfo;
 use tokio::sync::{Mutex, OwnedSemaphorePermit};
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, error, info, info_span, warn, Instrument, Span};
@@ -51,6 +52,10 @@ pub(crate) struct SessionShared {
     connection: Arc<Connection>,
     delay: DelayConfig,
     publisher: Mutex<Publisher>,
+    /// Largest body the publisher sends (the builder's, or the broker version's default).
+    max_message_size: Option<usize>,
+    /// What the broker announced; `None` when the probe failed (the connection itself worked).
+    server: Option<ServerInfo>,
     username: String,
     /// Acks of the consumer channel (batched); rejects and nacks go through each delivery's acker.
     acks: AckSender,
@@ -67,11 +72,23 @@ impl SessionShared {
         if current.channel().status().connected() {
             return Ok(current.clone());
         }
-        let fresh = Publisher::new(&self.connection, self.delay.clone()).await?;
+        let fresh = new_publisher(&self.connection, &self.delay, self.max_message_size).await?;
         debug!("reopened the publisher channel");
         *current = fresh.clone();
         Ok(fresh)
     }
+}
+
+async fn new_publisher(
+    connection: &Connection,
+    delay: &DelayConfig,
+    max_message_size: Option<usize>,
+) -> Result<Publisher, PublishError> {
+    let p = Publisher::new(connection, delay.clone()).await?;
+    Ok(match max_message_size {
+        Some(n) => p.with_max_message_size(n),
+        None => p,
+    })
 }
 
 /// A connected, consuming session.
@@ -92,8 +109,21 @@ impl Session {
             .with_connection_name(config.connection_name.clone().into());
         // Lapin's own recovery stays off (DESIGN: it does not recover reliably); this loop owns
         // reconnection.
-        let connection = Arc::new(Connection::connect(url, props).await?);
-        match Self::setup(worker, &connection).await {
+        // lapin drops the broker's version; a probe of our own reads it meanwhile.
+        let (server, connection) =
+            tokio::join!(ServerInfo::probe(url), Connection::connect(url, props));
+        let connection = Arc::new(connection?);
+        let server = match server {
+            Ok(info) => {
+                info!(queue = %config.queue, broker = %info, "connected");
+                Some(info)
+            }
+            Err(e) => {
+                warn!(queue = %config.queue, error = %e, "connected, but the broker's version is unknown: broker-specific behaviour uses the safe choice");
+                None
+            }
+        };
+        match Self::setup(worker, &connection, server).await {
             Ok(session) => Ok(session),
             Err(e) => {
                 close_connection(&connection, "setup failed").await;
@@ -105,6 +135,7 @@ impl Session {
     async fn setup(
         worker: &Arc<Shared>,
         connection: &Arc<Connection>,
+        server: Option<ServerInfo>,
     ) -> Result<Session, WorkerError> {
         let config = &worker.config;
         if config.verify_only {
@@ -113,7 +144,13 @@ impl Session {
             config.topology.declare(connection).await?;
         }
         let delay = config.topology.delay_config().clone();
-        let publisher = Publisher::new(connection, delay.clone()).await?;
+        let max_message_size = config.max_message_size.or_else(|| {
+            server
+                .as_ref()
+                .and_then(ServerInfo::version)
+                .map(|v| v.default_max_message_size())
+        });
+        let publisher = new_publisher(connection, &delay, max_message_size).await?;
         let channel = connection.create_channel().await?;
         // Per consumer, not global: global QoS is deprecated and refused from RabbitMQ 4.3. It is
         // applied on every channel we open, since nothing replays it for us.
@@ -141,6 +178,8 @@ impl Session {
                 connection: Arc::clone(connection),
                 delay,
                 publisher: Mutex::new(publisher),
+                max_message_size,
+                server,
                 username,
                 acks,
                 meters,
@@ -470,8 +509,6 @@ impl DeliveryTask {
 
     /// Carries out the plan; returns the outcome label for the span.
     async fn settle(&self, plan: Plan, state: &RetryState, message_id: &str) -> &'static str {
-        let queue = &self.worker.config.queue;
-        let acker = &self.delivery.acker;
         match plan {
             Plan::Ack => {
                 if self.ack(true) {
@@ -486,28 +523,44 @@ impl DeliveryTask {
                 error,
             } => Box::pin(self.retry(delay, attempt, &error, state, message_id)).await,
             Plan::DeadLetter { reason, error } => {
-                let rejected = Box::pin(acker.reject(BasicRejectOptions { requeue: false })).await;
-                // Only once the reject frame is out may a batched ack cover later tags.
-                self.session.acks.released(self.delivery.delivery_tag);
-                match rejected {
-                    Ok(true) => {
-                        metrics::counter!(m::MESSAGES_DEAD_LETTERED, m::LABEL_QUEUE => queue.clone(), m::LABEL_REASON => reason)
-                            .increment(1);
-                        // The broker moves the original to the DLQ unchanged; this event is where
-                        // the final error lives, so it carries the message id itself.
-                        warn!(
-                            message_id = %message_id,
-                            attempt = state.attempt,
-                            reason,
-                            error = %error,
-                            dlq = %self.worker.config.topology.dlq_name(),
-                            "message dead-lettered"
-                        );
-                        "dead_lettered"
-                    }
-                    other => self.settle_failed("reject", other),
-                }
+                Box::pin(self.dead_letter(reason, &error, state, message_id)).await
             }
+        }
+    }
+
+    /// `basic.reject(requeue = false)`: the broker's DLX moves the message to the DLQ.
+    async fn dead_letter(
+        &self,
+        reason: &'static str,
+        error: &str,
+        state: &RetryState,
+        message_id: &str,
+    ) -> &'static str {
+        let queue = &self.worker.config.queue;
+        let rejected = self
+            .delivery
+            .acker
+            .reject(BasicRejectOptions { requeue: false })
+            .await;
+        // Only once the reject frame is out may a batched ack cover later tags.
+        self.session.acks.released(self.delivery.delivery_tag);
+        match rejected {
+            Ok(true) => {
+                metrics::counter!(m::MESSAGES_DEAD_LETTERED, m::LABEL_QUEUE => queue.clone(), m::LABEL_REASON => reason)
+                    .increment(1);
+                // The broker moves the original to the DLQ unchanged; this event is where
+                // the final error lives, so it carries the message id itself.
+                warn!(
+                    message_id = %message_id,
+                    attempt = state.attempt,
+                    reason,
+                    error = %error,
+                    dlq = %self.worker.config.topology.dlq_name(),
+                    "message dead-lettered"
+                );
+                "dead_lettered"
+            }
+            other => self.settle_failed("reject", other),
         }
     }
 
@@ -566,6 +619,7 @@ impl DeliveryTask {
                     error = %error,
                     "retry scheduled"
                 );
+                self.forget_requeues();
                 // Only now, with the copy confirmed by the broker, may the original go.
                 if self.ack(false) {
                     "retried"
@@ -573,6 +627,12 @@ impl DeliveryTask {
                     warn!(message_id = %message_id, "retry copy published but the original could not be acked: it will be delivered twice");
                     self.settle_failed("ack after retry", Ok(false))
                 }
+            }
+            Err(e @ PublishError::TooLarge { .. }) => {
+                // The same copy will never fit: no requeue, no retry.
+                let error = format!("{error} (retry copy refused: {e})");
+                self.dead_letter(m::REASON_TOO_LARGE, &error, state, message_id)
+                    .await
             }
             Err(e) => {
                 error!(
@@ -582,7 +642,8 @@ impl DeliveryTask {
                     handler_error = %error,
                     "retry copy not confirmed by the broker; requeueing the original"
                 );
-                self.requeue_after_pause().await
+                self.requeue_bounded(m::REASON_RETRY_UNCONFIRMED, true, &e, state, message_id)
+                    .await
             }
         }
     }
@@ -608,6 +669,7 @@ impl DeliveryTask {
         match published {
             Ok(()) => {
                 self.session.meters.sanitized.increment(1);
+                self.forget_requeues();
                 warn!(
                     message_id = %message_id,
                     "malformed x-death header (RabbitMQ cannot dead-letter it): republished the message without the bad entries"
@@ -620,7 +682,23 @@ impl DeliveryTask {
             }
             Err(e) => {
                 error!(message_id = %message_id, error = %e, "copy without the malformed x-death not confirmed by the broker; requeueing the original");
-                self.requeue_after_pause().await
+                // Dead-lettering the original itself is what crashes RabbitMQ 3.x; there its
+                // quorum queue counts the requeues instead. Unknown version: assume 3.x.
+                let may_dead_letter = self
+                    .session
+                    .server
+                    .as_ref()
+                    .and_then(ServerInfo::version)
+                    .is_some_and(|v| !v.dead_lettering_trusts_client_x_death());
+                let state = RetryState::read(self.delivery.properties.headers().as_ref());
+                self.requeue_bounded(
+                    m::REASON_REPAIR_UNCONFIRMED,
+                    may_dead_letter,
+                    &e,
+                    &state,
+                    message_id,
+                )
+                .await
             }
         }
     }
@@ -635,28 +713,67 @@ impl DeliveryTask {
         usable
     }
 
-    /// Gives a message whose copy could not be published back to the queue, after
-    /// [`REQUEUE_PAUSE`].
+    /// Gives a message whose replacement copy was not confirmed back to its queue
+    /// (`basic.reject(requeue = true)`), unless this
+    /// worker already did so `requeue_limit` times: then, where `may_dead_letter`, it is
+    /// dead-lettered instead (RabbitMQ 4.3 no longer counts requeues toward the delivery limit,
+    /// and a classic queue never did, so nothing else would end the cycle).
+    async fn requeue_bounded(
+        &self,
+        reason: &'static str,
+        may_dead_letter: bool,
+        cause: &PublishError,
+        state: &RetryState,
+        message_id: &str,
+    ) -> &'static str {
+        let key = crate::requeue::identity(&self.delivery);
+        let count = self
+            .worker
+            .requeues
+            .lock()
+            .map_or(1, |mut ledger| ledger.record(key));
+        let limit = self.worker.config.requeue_limit;
+        if count > limit && may_dead_letter {
+            if let Ok(mut ledger) = self.worker.requeues.lock() {
+                ledger.forget(key);
+            }
+            error!(message_id = %message_id, requeues = count - 1, limit, "requeue limit reached: dead-lettering the message instead");
+            let error = format!("{reason} {} times, last: {cause}", count - 1);
+            return self
+                .dead_letter(m::REASON_REQUEUE_LIMIT, &error, state, message_id)
+                .await;
+        }
+        metrics::counter!(m::MESSAGES_REQUEUED, m::LABEL_QUEUE => self.worker.config.queue.clone(), m::LABEL_REASON => reason)
+            .increment(1);
+        warn!(message_id = %message_id, reason, requeues = count, limit, "requeueing the message");
+        self.requeue_after_pause().await
+    }
+
+    /// The message's replacement copy is confirmed: its earlier requeues no longer count.
+    fn forget_requeues(&self) {
+        if let Ok(mut ledger) = self.worker.requeues.lock() {
+            ledger.settled(&self.delivery);
+        }
+    }
+
+    /// Gives the delivery back to the queue after [`REQUEUE_PAUSE`].
     async fn requeue_after_pause(&self) -> &'static str {
         let acker = &self.delivery.acker;
         if !acker.usable() {
             // Lost with the connection: nothing to requeue, the broker redelivers it.
-            return self.settle_failed("nack", Ok(false));
+            return self.settle_failed("requeue", Ok(false));
         }
         tokio::select! {
             _ = tokio::time::sleep(REQUEUE_PAUSE) => {}
             _ = self.worker.hard_stop.cancelled() => {}
         }
-        let nacked = acker
-            .nack(BasicNackOptions {
-                requeue: true,
-                multiple: false,
-            })
-            .await;
+        // basic.reject, not basic.nack: from RabbitMQ 4.3 a quorum queue counts a reject toward
+        // x-delivery-limit but not a nack, and the delivery limit is the guard of last resort.
+        let rejected = acker.reject(BasicRejectOptions { requeue: true }).await;
         self.session.acks.released(self.delivery.delivery_tag);
-        match nacked {
+        match rejected {
             Ok(true) => "requeued",
-            other => self.settle_failed("nack", other),
+            other => self.settle_failed("requeue", other),
         }
     }
 

@@ -103,6 +103,8 @@ pub struct WorkerBuilder {
     connection_name: Option<String>,
     reconnect_backoff: Backoff,
     reconnect_jitter: Jitter,
+    requeue_limit: u32,
+    max_message_size: Option<usize>,
     status: StatusSender,
 }
 
@@ -143,6 +145,8 @@ impl WorkerBuilder {
                 cap: Duration::from_secs(30),
             },
             reconnect_jitter: Jitter::Full,
+            requeue_limit: crate::requeue::DEFAULT_REQUEUE_LIMIT,
+            max_message_size: None,
             status: StatusSender::new(),
         }
     }
@@ -316,6 +320,28 @@ impl WorkerBuilder {
         self
     }
 
+    /// How often the worker itself gives one message back to its queue, because the broker did
+    /// not confirm the copy that would have replaced it (a retry copy, a repaired copy), before
+    /// it dead-letters the message instead (reason `requeue_limit`). Default: 10, each after a
+    /// 1 s pause.
+    ///
+    /// Before RabbitMQ 4.3 a quorum queue counted these requeues toward its delivery limit; from
+    /// 4.3 it does not, and a classic queue never did, so without this bound a copy that can
+    /// never be confirmed would cycle forever.
+    pub fn requeue_limit(mut self, n: u32) -> Self {
+        self.requeue_limit = n;
+        self
+    }
+
+    /// Largest body the worker publishes (retry and repaired copies); a larger copy is refused
+    /// before it reaches the broker, and its original dead-lettered with reason `too_large`.
+    /// Default: the broker's default `max_message_size` for the version it announces (16 MiB
+    /// from RabbitMQ 4.0, 128 MiB before); set it when the broker is configured otherwise.
+    pub fn max_message_size(mut self, bytes: usize) -> Self {
+        self.max_message_size = Some(bytes);
+        self
+    }
+
     /// A readiness handle, usable before the worker runs (for a health server started first).
     pub fn status_handle(&self) -> WorkerStatus {
         self.status.handle()
@@ -395,6 +421,8 @@ impl WorkerBuilder {
                 shutdown_grace: self.shutdown_grace,
                 reconnect_backoff: self.reconnect_backoff,
                 reconnect_jitter: self.reconnect_jitter,
+                requeue_limit: self.requeue_limit,
+                max_message_size: self.max_message_size,
             }),
             status: self.status,
         })
@@ -427,6 +455,8 @@ pub(crate) struct Config {
     pub(crate) shutdown_grace: Duration,
     pub(crate) reconnect_backoff: Backoff,
     pub(crate) reconnect_jitter: Jitter,
+    pub(crate) requeue_limit: u32,
+    pub(crate) max_message_size: Option<usize>,
 }
 
 /// State that outlives one connection: the concurrency limit and the in-flight tasks belong to the
@@ -440,6 +470,8 @@ pub(crate) struct Shared {
     pub(crate) draining: CancellationToken,
     /// Cancelled when the grace period is over: handlers still running are dropped unsettled.
     pub(crate) hard_stop: CancellationToken,
+    /// The worker's own requeues per message, bounded by `config.requeue_limit`.
+    pub(crate) requeues: std::sync::Mutex<crate::requeue::RequeueLedger>,
 }
 
 impl Shared {
@@ -556,6 +588,7 @@ impl Worker {
             tracker: TaskTracker::new(),
             draining: CancellationToken::new(),
             hard_stop: CancellationToken::new(),
+            requeues: std::sync::Mutex::default(),
             config: Arc::clone(&self.config),
         });
         let result = reconnect_loop(&shared, &self.status, &token).await;

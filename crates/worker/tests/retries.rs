@@ -358,3 +358,92 @@ async fn panic_timeout_and_retry_after() {
     assert_eq!(ready_count(&conn, &queue).await, 0);
     assert_eq!(ready_count(&conn, &topo.dlq_name()).await, 0);
 }
+
+/// A retry copy the broker cannot take: bounded by the worker itself on every broker (RabbitMQ
+/// 4.3 no longer counts a nack toward the quorum queue's delivery limit). With the copy's level
+/// queue and the parking exchange deleted, every copy comes back unroutable; the worker requeues
+/// the original `requeue_limit` times, then dead-letters it. A copy over `max_message_size` is dead-lettered at once, never
+/// requeued.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unconfirmable_and_too_large_retry_copies_end_in_the_dlq() {
+    init_tracing();
+    let version = redeliver_testkit::broker_version().await;
+    let (names, conn, topo, queue) =
+        fixture("requeue", QueueType::Quorum, 4, QueueType::Classic).await;
+    let calls: Calls = Default::default();
+    let c = calls.clone();
+    let token = CancellationToken::new();
+    let requeue_limit = 2;
+    let builder = Worker::builder(amqp_url())
+        .topology(topo.clone())
+        .policy(RetryPolicy::constant(Duration::from_millis(20)).max_retries(5))
+        .requeue_limit(requeue_limit)
+        .max_message_size(1000)
+        .handler(move |_body: Raw, ctx: Context| {
+            let c = c.clone();
+            async move {
+                record(&c, ctx.message_id().unwrap_or(""), ctx.attempt());
+                Err::<(), _>(HandlerError::transient("downstream unavailable"))
+            }
+        });
+    let mut status = builder.status_handle();
+    let run = tokio::spawn(builder.run(token.clone()));
+    status
+        .wait_for_timeout(Duration::from_secs(20), |s| *s == WorkerState::Consuming)
+        .await
+        .expect("consuming");
+
+    // Too large first, while the delay levels still exist: refused before it is sent.
+    publish_all(&conn, &queue, vec![(vec![b'x'; 2000], props("big"))]).await;
+    let mut dead = Vec::new();
+    let start = Instant::now();
+    while dead.is_empty() && start.elapsed() < Duration::from_secs(10) {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        dead.extend(drain_queue(&conn, &topo.dlq_name()).await);
+    }
+    assert_eq!(
+        dead.iter().map(Got::message_id).collect::<Vec<_>>(),
+        ["big"]
+    );
+    assert_eq!(calls.lock().unwrap().get("big").map(Vec::len), Some(1));
+
+    // A 20 ms delay is 2 ticks: the copy goes to level 1's exchange. With level 1's queue and
+    // the parking exchange (the alternate exchange) gone, it routes nowhere and comes back.
+    let delay = topo.delay_config();
+    let pct = redeliver_testkit::mgmt::pct;
+    redeliver_testkit::mgmt::delete(&format!("/api/queues/%2f/{}", pct(&delay.level_name(1))))
+        .expect("delete level 1's queue");
+    redeliver_testkit::mgmt::delete(&format!(
+        "/api/exchanges/%2f/{}",
+        pct(&delay.unroutable_name())
+    ))
+    .expect("delete the parking exchange");
+    publish_all(&conn, &queue, vec![(b"small".to_vec(), props("stuck"))]).await;
+    let start = Instant::now();
+    while dead.len() < 2 && start.elapsed() < Duration::from_secs(30) {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        dead.extend(drain_queue(&conn, &topo.dlq_name()).await);
+    }
+    token.cancel();
+    run.await.unwrap().unwrap();
+    drop(names);
+
+    assert_eq!(
+        dead.iter().map(Got::message_id).collect::<Vec<_>>(),
+        ["big", "stuck"],
+        "RabbitMQ {version}"
+    );
+    let stuck_calls = calls.lock().unwrap().get("stuck").map(Vec::len);
+    assert_eq!(
+        stuck_calls,
+        Some(requeue_limit as usize + 1),
+        "RabbitMQ {version}: one call, then one per requeue"
+    );
+    for m in &dead {
+        let deaths = headers::x_death(m.properties.headers().as_ref());
+        assert_eq!(deaths.first().map(|d| d.reason.as_str()), Some("rejected"));
+    }
+    println!(
+        "RabbitMQ {version}: too large: 1 call; unconfirmable: {stuck_calls:?} calls, then the DLQ"
+    );
+}
