@@ -323,7 +323,12 @@ pub fn no_broker_message(url: &str, error: &dyn std::fmt::Display) -> String {
 pub async fn connect(cfg: &Config) -> anyhow::Result<Connection> {
     let url = cfg.redacted_url();
     let props = ConnectionProperties::default().with_connection_name("image-processing".into());
-    match tokio::time::timeout(CONNECT_TIMEOUT, Connection::connect(&cfg.amqp_url, props)).await {
+    match tokio::time::timeout(
+        CONNECT_TIMEOUT,
+        redeliver::amqp::tls::connect(&cfg.amqp_url, props, &cfg.tls),
+    )
+    .await
+    {
         Ok(Ok(c)) => Ok(c),
         Ok(Err(e)) => bail!(no_broker_message(&url, &e)),
         Err(_) => bail!(no_broker_message(

@@ -17,7 +17,7 @@ use std::time::Duration;
 use anyhow::{bail, Context as _};
 use clap::Parser;
 use futures::future::try_join_all;
-use redeliver::lapin::{BasicProperties, Connection, ConnectionProperties};
+use redeliver::lapin::{BasicProperties, ConnectionProperties};
 use redeliver::worker::config::Config;
 use redeliver::{Publisher, Topology};
 use serde::Serialize;
@@ -82,7 +82,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
     let props = ConnectionProperties::default().with_connection_name("redeliver-publish".into());
     let conn = match tokio::time::timeout(
         Duration::from_secs(5),
-        Connection::connect(&cfg.amqp_url, props),
+        redeliver::amqp::tls::connect(&cfg.amqp_url, props, &cfg.tls),
     )
     .await
     {

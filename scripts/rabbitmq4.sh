@@ -165,7 +165,15 @@ start_one() {
   local name=$1 dir
   dir="$ROOT/$name"
   provision_one "$name"
-  if answers "$name"; then return 0; fi
+  if answers "$name"; then
+    # Started before scripts/tls.sh made certificates: restart to open the amqps listener.
+    if [ -f "$TLS_DIR/ca.pem" ] && ! (exec 3<>"/dev/tcp/127.0.0.1/$(tls_port_of "$name")") 2>/dev/null; then
+      log "$name: restarting to open its TLS listener ($(tls_port_of "$name"))"
+      stop_one "$name"
+    else
+      return 0
+    fi
+  fi
   write_config "$name"
   mount_fs "$dir"
   if in_chroot "$name" rabbitmqctl -q ping >/dev/null 2>&1; then
@@ -181,7 +189,8 @@ start_one() {
 wait_one() {
   local name=$1
   for _ in $(seq 1 180); do
-    if answers "$name"; then
+    if answers "$name" && { [ ! -f "$TLS_DIR/ca.pem" ] ||
+      (exec 3<>"/dev/tcp/127.0.0.1/$(tls_port_of "$name")") 2>/dev/null; }; then
       log "$name: up (AMQP $(port_of "$name"), management $(mgmt_of "$name"))"
       return 0
     fi

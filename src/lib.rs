@@ -46,7 +46,7 @@ pub use redeliver_amqp as amqp;
 pub use redeliver_core as policy;
 pub use redeliver_worker as worker;
 
-pub use redeliver_amqp::{lapin, DelayConfig, Publisher, QueueType, Topology};
+pub use redeliver_amqp::{lapin, DelayConfig, Publisher, QueueType, TlsConfig, Topology};
 pub use redeliver_core::{
     Backoff, Classifier, DeadLetterReason, Decision, ErrorKind, HandlerError, Jitter, RetryBudget,
     RetryPolicy,

@@ -116,3 +116,46 @@ fn kubernetes_deployment_has_probes_grace_limits_and_env() {
         Some(true)
     );
 }
+
+/// The TLS patch takes the CA and the amqps:// URL from Secrets mounted as files, the variables
+/// it sets are the ones the worker reads, and every mount has its volume.
+#[test]
+fn kubernetes_tls_patch_mounts_the_ca_and_the_url_from_secrets() {
+    let doc = load("compose/kubernetes/tls.patch.yaml");
+    let spec = &doc["spec"]["template"]["spec"];
+    let container = &spec["containers"][0];
+    assert_eq!(container["name"].as_str(), Some("worker"));
+    let env = container["env"].as_sequence().expect("env");
+    let value = |name: &str| {
+        env.iter()
+            .find(|e| e["name"].as_str() == Some(name))
+            .and_then(|e| e["value"].as_str())
+            .map(str::to_owned)
+    };
+    let ca = value("REDELIVER_TLS_CA_FILE").expect("the CA file");
+    let url_file = value("AMQP_URL_FILE").expect("the URL file");
+    for name in ["REDELIVER_TLS_CA_FILE", "AMQP_URL_FILE"] {
+        assert!(
+            redeliver::worker::config::VARIABLES.contains(&name),
+            "{name} is not read by the worker"
+        );
+    }
+    let mounts = container["volumeMounts"].as_sequence().expect("mounts");
+    let volumes = spec["volumes"].as_sequence().expect("volumes");
+    for file in [&ca, &url_file] {
+        let mount = mounts
+            .iter()
+            .find(|m| file.starts_with(m["mountPath"].as_str().unwrap_or("?")))
+            .unwrap_or_else(|| panic!("{file} is on no mount"));
+        assert_eq!(mount["readOnly"].as_bool(), Some(true));
+        let name = mount["name"].as_str().unwrap();
+        let volume = volumes
+            .iter()
+            .find(|v| v["name"].as_str() == Some(name))
+            .unwrap_or_else(|| panic!("no volume {name}"));
+        assert!(
+            volume["secret"]["secretName"].as_str().is_some(),
+            "{name} is a Secret"
+        );
+    }
+}

@@ -46,7 +46,9 @@ pub mod headers;
 pub mod names;
 pub mod publisher;
 pub mod server;
+pub mod tls;
 pub mod topology;
+pub mod url;
 
 pub use lapin;
 
@@ -55,4 +57,5 @@ pub use headers::{RetryState, XDeath};
 pub use names::{validate_queue_name, NameError};
 pub use publisher::{OutgoingMessage, PublishError, Publisher};
 pub use server::{BrokerVersion, ServerInfo};
+pub use tls::{ConnectError, TlsConfig};
 pub use topology::{Binding, QueueType, Topology, TopologyError};

@@ -30,14 +30,24 @@ struct Cli {
     /// benchmark works in a minute; the numbers are not meaningful.
     #[arg(long)]
     short: bool,
-    /// Broker URL.
-    #[arg(long, env = "AMQP_URL", default_value = DEFAULT_URL)]
+    /// Broker URL [default: the local broker on 127.0.0.1:5672, guest account].
+    // Neither the environment's value nor the default is shown in --help: both carry a password.
+    #[arg(
+        long,
+        env = "AMQP_URL",
+        default_value = DEFAULT_URL,
+        hide_env_values = true,
+        hide_default_value = true
+    )]
     url: String,
-    /// Management API base URL, used only to sweep leftovers of this run at the end.
+    /// Management API base URL, used for the broker version and to sweep leftovers of this run
+    /// at the end [default: http://127.0.0.1:15672, guest account].
     #[arg(
         long,
         env = "RABBITMQ_MANAGEMENT_URL",
-        default_value = "http://guest:guest@127.0.0.1:15672"
+        default_value = "http://guest:guest@127.0.0.1:15672",
+        hide_env_values = true,
+        hide_default_value = true
     )]
     management_url: String,
     /// Run only these scenarios (comma separated).

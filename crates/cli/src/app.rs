@@ -5,7 +5,6 @@ use redeliver_amqp::topology::Topology;
 
 use crate::cli::{
     Cli, Command, DelayCmd, DlqCmd, TopologyArgs, TopologyCmd, UnroutableArgs, UnroutableCmd,
-    DEFAULT_URL,
 };
 use crate::conn::{self, BrokerUrl};
 use crate::dlq::{self, Selection, Source};
@@ -117,8 +116,7 @@ fn dlq_source(queue: &str, prefix: &str) -> Source {
 /// command then fails.
 pub fn prepare(cli: &Cli) -> (Invocation, Result<(), anyhow::Error>) {
     let hints = hints_for(&cli.command);
-    let raw = cli.url.as_deref().unwrap_or(DEFAULT_URL);
-    let url = match BrokerUrl::parse(raw) {
+    let url = match conn::broker_url(cli) {
         Ok(u) => u,
         Err(e) => return (Invocation { url: None, hints }, Err(e.into())),
     };
@@ -134,7 +132,8 @@ pub fn prepare(cli: &Cli) -> (Invocation, Result<(), anyhow::Error>) {
 
 /// Runs the command. `url` comes from [`prepare`].
 pub async fn run(cli: Cli, url: &BrokerUrl) -> anyhow::Result<()> {
-    let conn = conn::connect(url, cli.connect_timeout).await?;
+    let tls = conn::tls_config(&cli);
+    let conn = conn::connect(url, &tls, cli.connect_timeout).await?;
     let result = dispatch(cli.command, &conn).await;
     // Closing politely lets the broker requeue at once instead of on socket loss; a failure
     // here changes nothing for the user.

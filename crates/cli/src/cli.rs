@@ -1,5 +1,6 @@
 //! Command-line arguments (clap derive). Nothing here talks to the broker.
 
+use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand};
@@ -35,11 +36,12 @@ listing runs are not shown.";
 its dead-letter queue (Q.dlq), the shared delay levels and their parking queue for unroutable \
 messages.\n\nExit codes: 0 success, 1 error (broker, queue, message), 2 usage (bad arguments, a \
 destructive command without --yes).",
-    after_help = "The password in --url / AMQP_URL is never printed; messages show it as ***."
+    after_help = "The password in --url / AMQP_URL is never printed; messages show it as ***. amqps:// \
+URLs connect with TLS and verify the broker's certificate and host name."
 )]
 pub struct Cli {
     /// Broker URL: amqp://USER:PASSWORD@HOST:PORT/VHOST (the vhost '/' is written %2f).
-    /// Defaults to amqp://guest:guest@127.0.0.1:5672/%2f
+    /// Defaults to the local broker, 127.0.0.1:5672, with the guest account
     #[arg(
         long,
         env = "AMQP_URL",
@@ -49,6 +51,74 @@ pub struct Cli {
         help_heading = "Connection"
     )]
     pub url: Option<String>,
+
+    /// Read the broker URL from this file instead (a mounted Kubernetes secret)
+    #[arg(
+        long,
+        env = "AMQP_URL_FILE",
+        global = true,
+        hide_env_values = true,
+        value_name = "PATH",
+        conflicts_with = "url",
+        help_heading = "Connection"
+    )]
+    pub url_file: Option<PathBuf>,
+
+    /// Read the broker password from this file; it replaces the URL's
+    #[arg(
+        long,
+        env = "AMQP_PASSWORD_FILE",
+        global = true,
+        hide_env_values = true,
+        value_name = "PATH",
+        help_heading = "Connection"
+    )]
+    pub password_file: Option<PathBuf>,
+
+    /// amqps://: also trust the CA certificates of this PEM file (the system's are trusted too)
+    #[arg(
+        long,
+        env = "REDELIVER_TLS_CA_FILE",
+        global = true,
+        hide_env_values = true,
+        value_name = "PATH",
+        help_heading = "TLS (amqps://; the broker's certificate and host name are always verified)"
+    )]
+    pub tls_ca_file: Option<PathBuf>,
+
+    /// amqps://: client certificate (PEM) for mutual TLS; needs --tls-key-file
+    #[arg(
+        long,
+        env = "REDELIVER_TLS_CERT_FILE",
+        global = true,
+        hide_env_values = true,
+        value_name = "PATH",
+        requires = "tls_key_file",
+        help_heading = "TLS (amqps://; the broker's certificate and host name are always verified)"
+    )]
+    pub tls_cert_file: Option<PathBuf>,
+
+    /// amqps://: the client certificate's private key (PEM)
+    #[arg(
+        long,
+        env = "REDELIVER_TLS_KEY_FILE",
+        global = true,
+        hide_env_values = true,
+        value_name = "PATH",
+        requires = "tls_cert_file",
+        help_heading = "TLS (amqps://; the broker's certificate and host name are always verified)"
+    )]
+    pub tls_key_file: Option<PathBuf>,
+
+    /// amqps://: log in with the client certificate (SASL EXTERNAL) instead of a password
+    #[arg(
+        long,
+        env = "REDELIVER_TLS_SASL_EXTERNAL",
+        global = true,
+        requires = "tls_cert_file",
+        help_heading = "TLS (amqps://; the broker's certificate and host name are always verified)"
+    )]
+    pub sasl_external: bool,
 
     /// Give up connecting to the broker after this long
     #[arg(

@@ -8,7 +8,7 @@ use std::fmt;
 use lapin::ErrorKind;
 use redeliver_amqp::topology::TopologyError;
 
-use crate::conn::BrokerUrl;
+use redeliver_amqp::url::BrokerUrl;
 
 /// Exit code of a usage error (clap uses the same).
 pub const EXIT_USAGE: u8 = 2;
@@ -154,6 +154,17 @@ fn permission_hint(url: Option<&BrokerUrl>) -> String {
 
 fn mismatch_hint(object: &str, argument: Option<&str>) -> String {
     let arg = argument.map_or_else(|| "its arguments".to_owned(), |a| format!("argument '{a}'"));
+    let operator_queue =
+        object.ends_with(".dlq'") || object.ends_with("redeliver.delay.unroutable'");
+    if argument == Some("x-delivery-limit") && operator_queue {
+        return format!(
+            "{object} was declared without the delivery limit redeliver now gives the queues that \
+             hold messages for an operator (2147483647): from RabbitMQ 4.0 such a quorum queue has \
+             a limit of 20, and each listing spends one attempt, so it can drop messages. Move its \
+             messages away (`redeliver dlq replay QUEUE` or `redeliver unroutable replay`), delete \
+             it, and declare again; the existing queue was left as it is"
+        );
+    }
     format!(
         "{object} already exists with a different {arg}. Declare with options that match the \
          existing object (--classic, --delivery-limit, --no-delivery-limit, --dlq-message-ttl, \
@@ -238,9 +249,9 @@ fn lapin_hint(err: &lapin::Error, declare: &str, url: Option<&BrokerUrl>) -> Opt
         }
         ErrorKind::ParsingError(_) => Some(
             "what answered at that address does not speak AMQP 0-9-1: check the host and port \
-             in --url / AMQP_URL (RabbitMQ's AMQP port is 5672; 5671 is TLS, which this build \
-             does not support)"
-                .to_owned(),
+             in --url / AMQP_URL (RabbitMQ's AMQP port is 5672; 5671 is TLS: use amqps:// for \
+             it)"
+            .to_owned(),
         ),
         ErrorKind::InvalidConnectionState(_) | ErrorKind::MissingHeartbeatError => {
             Some("the connection to the broker was lost: check the broker and try again".to_owned())

@@ -83,6 +83,38 @@ fn redact(url: &str) -> String {
     }
 }
 
+/// How to get the TLS listeners the TLS tests use; part of their failures.
+pub const START_TLS: &str = "The TLS tests need the brokers' amqps listeners and the test \
+     certificates: run `bash scripts/tls.sh`, then `bash scripts/ensure-rabbitmq.sh` (amqps on \
+     localhost:5671) and `bash scripts/rabbitmq4.sh up` (6673, 6674), or set AMQPS_URL and \
+     REDELIVER_TLS_DIR.";
+
+/// The test broker's amqps URL: `AMQPS_URL`, or `amqps://guest:guest@localhost:5671/%2f` (the
+/// certificate names `localhost` only).
+pub fn amqps_url() -> String {
+    std::env::var("AMQPS_URL")
+        .unwrap_or_else(|_| "amqps://guest:guest@localhost:5671/%2f".to_owned())
+}
+
+/// A file of the test TLS material (`scripts/tls.sh`: `ca.pem`, `client.pem`, `client.key`,
+/// `other-ca.pem`, `other-client.pem`, `other-client.key`), in `REDELIVER_TLS_DIR` or
+/// `/var/lib/redeliver-tls`.
+///
+/// # Panics
+///
+/// When the file does not exist, with instructions ([`START_TLS`]).
+pub fn tls_file(name: &str) -> std::path::PathBuf {
+    let dir =
+        std::env::var("REDELIVER_TLS_DIR").unwrap_or_else(|_| "/var/lib/redeliver-tls".into());
+    let path = std::path::Path::new(&dir).join(name);
+    assert!(
+        path.is_file(),
+        "{} is missing.\n{START_TLS}",
+        path.display()
+    );
+    path
+}
+
 /// `hex_len` random hex digits (at most 32), different on every call.
 pub fn unique_id(hex_len: usize) -> String {
     let id = uuid::Uuid::new_v4().simple().to_string();

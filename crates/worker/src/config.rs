@@ -4,6 +4,11 @@
 //! | variable | builder method / use | format | default |
 //! |---|---|---|---|
 //! | `AMQP_URL` | [`Worker::builder`], then [`failover_urls`](WorkerBuilder::failover_urls) | `amqp://user:pass@host:5672/vhost` (vhost `/` is `%2f`); several separated by `;` (as Celery's `broker_url`) | `amqp://guest:guest@127.0.0.1:5672/%2f` |
+//! | `AMQP_URL_FILE` | instead of `AMQP_URL`: a file holding it (a Kubernetes secret mounted as a file) | path | none |
+//! | `AMQP_PASSWORD_FILE` | the password of every `AMQP_URL`, from a file (the URL then carries none) | path | none |
+//! | `REDELIVER_TLS_CA_FILE` | [`tls`](WorkerBuilder::tls): [`TlsConfig::ca_file`] | PEM file of CA certificates, trusted next to the system's | none |
+//! | `REDELIVER_TLS_CERT_FILE`, `REDELIVER_TLS_KEY_FILE` | [`TlsConfig::client_cert`] (mutual TLS; both or neither) | PEM files | none |
+//! | `REDELIVER_TLS_SASL_EXTERNAL` | [`TlsConfig::sasl_external`] | `true`/`false` | `false` |
 //! | `REDELIVER_QUEUE` | [`queue`](WorkerBuilder::queue) | queue name | the one set in code |
 //! | `REDELIVER_PREFIX` | [`prefix`](WorkerBuilder::prefix) | name prefix of every object | none |
 //! | `REDELIVER_PREFETCH` | [`prefetch`](WorkerBuilder::prefetch) | integer 1..=65535 | 2 × concurrency |
@@ -48,13 +53,26 @@ use std::net::{Ipv4Addr, SocketAddr};
 use std::str::FromStr;
 use std::time::Duration;
 
-use lapin::uri::AMQPUri;
+use redeliver_amqp::tls::TlsConfig;
+use redeliver_amqp::url::{self, BrokerUrl};
 use redeliver_core::RetryPolicy;
 
 use crate::{Worker, WorkerBuilder};
 
 /// `AMQP_URL`: the broker URL, or several separated by `;` (cluster nodes, tried in turn).
 pub const AMQP_URL: &str = "AMQP_URL";
+/// `AMQP_URL_FILE`: a file holding what `AMQP_URL` would (mutually exclusive with it).
+pub const AMQP_URL_FILE: &str = "AMQP_URL_FILE";
+/// `AMQP_PASSWORD_FILE`: a file holding the broker password, put into every URL.
+pub const AMQP_PASSWORD_FILE: &str = "AMQP_PASSWORD_FILE";
+/// `REDELIVER_TLS_CA_FILE`: CA certificates (PEM) to trust for `amqps://`.
+pub const TLS_CA_FILE: &str = "REDELIVER_TLS_CA_FILE";
+/// `REDELIVER_TLS_CERT_FILE`: client certificate (PEM) for mutual TLS.
+pub const TLS_CERT_FILE: &str = "REDELIVER_TLS_CERT_FILE";
+/// `REDELIVER_TLS_KEY_FILE`: the client certificate's private key (PEM).
+pub const TLS_KEY_FILE: &str = "REDELIVER_TLS_KEY_FILE";
+/// `REDELIVER_TLS_SASL_EXTERNAL`: log in with the client certificate (SASL EXTERNAL).
+pub const TLS_SASL_EXTERNAL: &str = "REDELIVER_TLS_SASL_EXTERNAL";
 /// `REDELIVER_QUEUE`: the queue to consume.
 pub const QUEUE: &str = "REDELIVER_QUEUE";
 /// `REDELIVER_PREFIX`: prefix of every object's name.
@@ -87,6 +105,12 @@ pub const RUST_LOG: &str = "RUST_LOG";
 /// Every variable [`Config::from_env`] reads.
 pub const VARIABLES: &[&str] = &[
     AMQP_URL,
+    AMQP_URL_FILE,
+    AMQP_PASSWORD_FILE,
+    TLS_CA_FILE,
+    TLS_CERT_FILE,
+    TLS_KEY_FILE,
+    TLS_SASL_EXTERNAL,
     QUEUE,
     PREFIX,
     PREFETCH,
@@ -174,6 +198,8 @@ pub struct Config {
     /// The other URLs `AMQP_URL` lists after the first (validated), for
     /// [`failover_urls`](WorkerBuilder::failover_urls); usually empty.
     pub failover_urls: Vec<String>,
+    /// `REDELIVER_TLS_*`; the default when none is set.
+    pub tls: TlsConfig,
     /// `REDELIVER_QUEUE`.
     pub queue: Option<String>,
     /// `REDELIVER_PREFIX`.
@@ -210,6 +236,7 @@ impl Default for Config {
         Self {
             amqp_url: DEFAULT_AMQP_URL.to_owned(),
             failover_urls: Vec::new(),
+            tls: TlsConfig::new(),
             queue: None,
             prefix: None,
             prefetch: None,
@@ -232,15 +259,16 @@ impl fmt::Debug for Config {
     // By hand, so that logging the configuration never prints the broker password.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Config")
-            .field("amqp_url", &redact_url(&self.amqp_url))
+            .field("amqp_url", &url::redact(&self.amqp_url))
             .field(
                 "failover_urls",
                 &self
                     .failover_urls
                     .iter()
-                    .map(|u| redact_url(u))
+                    .map(|u| url::redact(u))
                     .collect::<Vec<_>>(),
             )
+            .field("tls", &self.tls)
             .field("queue", &self.queue)
             .field("prefix", &self.prefix)
             .field("prefetch", &self.prefetch)
@@ -306,23 +334,75 @@ impl Config {
             Ok(get(name)?.filter(|v| !v.trim().is_empty()))
         };
         let mut cfg = Config::default();
-        if let Some(value) = var(AMQP_URL)? {
-            let mut urls = Vec::new();
-            for url in value.split(';').map(str::trim).filter(|u| !u.is_empty()) {
-                if let Err(e) = AMQPUri::from_str(url) {
-                    return Err(ConfigError::new(
-                        AMQP_URL,
-                        &redact_url(url),
-                        format!("not an AMQP URL ({e}); expected amqp://user:pass@host:5672/%2f, several separated by `;`"),
-                    ));
-                }
-                urls.push(url.to_owned());
+        let file = |name: &'static str, what: &'static str, path: String| {
+            url::read_secret_file(what, std::path::Path::new(&path))
+                .map_err(|e| ConfigError::new(name, &path, e.to_string()))
+        };
+        let (url_var, mut urls) = match (var(AMQP_URL)?, var(AMQP_URL_FILE)?) {
+            (Some(_), Some(_)) => {
+                return Err(ConfigError::new(
+                    AMQP_URL_FILE,
+                    "(set)",
+                    "set AMQP_URL or AMQP_URL_FILE, not both",
+                ))
             }
-            if let Some((first, rest)) = urls.split_first() {
-                cfg.amqp_url = first.clone();
-                cfg.failover_urls = rest.to_vec();
+            (Some(v), None) => (AMQP_URL, Some(v)),
+            (None, Some(path)) => (
+                AMQP_URL_FILE,
+                Some(file(AMQP_URL_FILE, "the broker URL", path)?),
+            ),
+            (None, None) => (AMQP_URL, None),
+        };
+        if let Some(path) = var(AMQP_PASSWORD_FILE)? {
+            let password = file(AMQP_PASSWORD_FILE, "the broker password", path)?;
+            let base = urls.unwrap_or_else(|| DEFAULT_AMQP_URL.to_owned());
+            urls = Some(url::with_password(&base, &password));
+        }
+        if let Some(value) = urls {
+            // Parsing refuses amqps:// in a build without TLS, and never echoes a password.
+            let parsed = BrokerUrl::parse_list(&value).map_err(|e| {
+                ConfigError::new(
+                    url_var,
+                    &url::redact(&value),
+                    format!("{e}; several URLs are separated by `;`"),
+                )
+            })?;
+            let mut raw: Vec<String> = url::split_list(&value)
+                .into_iter()
+                .map(str::trim)
+                .filter(|u| !u.is_empty())
+                .map(str::to_owned)
+                .collect();
+            debug_assert_eq!(raw.len(), parsed.len());
+            cfg.amqp_url = raw.remove(0);
+            cfg.failover_urls = raw;
+        }
+        let mut tls = TlsConfig::new();
+        if let Some(p) = var(TLS_CA_FILE)? {
+            tls = tls.ca_file(p.trim());
+        }
+        match (var(TLS_CERT_FILE)?, var(TLS_KEY_FILE)?) {
+            (Some(c), Some(k)) => tls = tls.client_cert(c.trim(), k.trim()),
+            (None, None) => {}
+            (Some(c), None) => {
+                return Err(ConfigError::new(
+                    TLS_CERT_FILE,
+                    &c,
+                    "also set REDELIVER_TLS_KEY_FILE (the certificate's private key)",
+                ))
+            }
+            (None, Some(k)) => {
+                return Err(ConfigError::new(
+                    TLS_KEY_FILE,
+                    &k,
+                    "also set REDELIVER_TLS_CERT_FILE (the client certificate)",
+                ))
             }
         }
+        if let Some(yes) = parse(TLS_SASL_EXTERNAL, var(TLS_SASL_EXTERNAL)?, boolean)? {
+            tls = tls.sasl_external(yes);
+        }
+        cfg.tls = tls;
         cfg.queue = var(QUEUE)?.map(|v| v.trim().to_owned());
         // Not trimmed: a prefix is taken literally (it may end with a separator like `-`).
         cfg.prefix = var(PREFIX)?;
@@ -365,7 +445,7 @@ impl Config {
         self.apply(Worker::builder(self.amqp_url.clone()))
     }
 
-    /// Applies the settings that are set to `builder`, overriding what it had: failover URLs,
+    /// Applies the settings that are set to `builder`, overriding what it had: TLS, failover URLs,
     /// queue, prefix, prefetch, concurrency, grace period, handler timeout, verify-only and
     /// connection name.
     /// Setters called after this win over the environment.
@@ -376,6 +456,9 @@ impl Config {
     /// `REDELIVER_QUEUE` has no effect on a builder given a whole
     /// [`topology`](WorkerBuilder::topology), which names its own queue.
     pub fn apply(&self, mut builder: WorkerBuilder) -> WorkerBuilder {
+        if self.tls.is_configured() {
+            builder = builder.tls(self.tls.clone());
+        }
         if !self.failover_urls.is_empty() {
             builder = builder.failover_urls(self.failover_urls.clone());
         }
@@ -432,7 +515,7 @@ impl Config {
 
     /// The URL with its password masked, for logs.
     pub fn redacted_url(&self) -> String {
-        redact_url(&self.amqp_url)
+        url::redact(&self.amqp_url)
     }
 }
 
@@ -508,27 +591,6 @@ fn socket_addr(v: &str) -> Result<SocketAddr, String> {
     }
     v.parse::<SocketAddr>()
         .map_err(|_| "expected an address like 0.0.0.0:8080 (or a bare port like 8080)".to_owned())
-}
-
-/// `amqp://user:secret@host` -> `amqp://user:***@host`.
-pub(crate) fn redact_url(url: &str) -> String {
-    let Some(scheme_end) = url.find("://").map(|i| i + 3) else {
-        return url.to_owned();
-    };
-    let rest = &url[scheme_end..];
-    let authority_end = rest.find('/').unwrap_or(rest.len());
-    let Some(at) = rest[..authority_end].rfind('@') else {
-        return url.to_owned();
-    };
-    match rest[..at].find(':') {
-        Some(colon) => format!(
-            "{}{}:***{}",
-            &url[..scheme_end],
-            &rest[..colon],
-            &rest[at..]
-        ),
-        None => url.to_owned(),
-    }
 }
 
 #[cfg(test)]
@@ -695,9 +757,9 @@ mod tests {
 
     #[test]
     fn redaction() {
-        assert_eq!(redact_url("amqp://h:5672/%2f"), "amqp://h:5672/%2f");
-        assert_eq!(redact_url("amqp://u@h/%2f"), "amqp://u@h/%2f");
-        assert_eq!(redact_url("amqp://u:p@h/%2f"), "amqp://u:***@h/%2f");
-        assert_eq!(redact_url("not a url"), "not a url");
+        assert_eq!(url::redact("amqp://h:5672/%2f"), "amqp://h:5672/%2f");
+        assert_eq!(url::redact("amqp://u@h/%2f"), "amqp://u@h/%2f");
+        assert_eq!(url::redact("amqp://u:p@h/%2f"), "amqp://u:***@h/%2f");
+        assert_eq!(url::redact("not a url"), "not a url");
     }
 }

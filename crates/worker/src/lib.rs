@@ -109,6 +109,7 @@ pub use worker::{
 
 pub use redeliver_amqp::delay::DelayConfig;
 pub use redeliver_amqp::lapin;
+pub use redeliver_amqp::tls::TlsConfig;
 pub use redeliver_amqp::topology::{QueueType, Topology};
 pub use redeliver_core::{Backoff, Classifier, ErrorKind, HandlerError, Jitter, RetryPolicy};
 pub use tokio_util::sync::CancellationToken;

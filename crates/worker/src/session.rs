@@ -17,6 +17,8 @@ use redeliver_amqp::delay::DelayConfig;
 use redeliver_amqp::headers::{self, RetryState};
 use redeliver_amqp::publisher::{PublishError, Publisher};
 use redeliver_amqp::server::ServerInfo;
+use redeliver_amqp::tls;
+use redeliver_amqp::url::BrokerUrl;
 use tokio::sync::{Mutex, OwnedSemaphorePermit};
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, error, info, info_span, warn, Instrument, Span};
@@ -103,15 +105,25 @@ pub(crate) struct Session {
 impl Session {
     /// Connects to `url`, declares or verifies the topology, opens the publisher and the consumer
     /// channel with its prefetch, and starts consuming.
-    pub(crate) async fn open(worker: &Arc<Shared>, url: &str) -> Result<Session, WorkerError> {
+    pub(crate) async fn open(
+        worker: &Arc<Shared>,
+        url: &BrokerUrl,
+    ) -> Result<Session, WorkerError> {
         let config = &worker.config;
         let props = ConnectionProperties::default()
             .with_connection_name(config.connection_name.clone().into());
         // Lapin's own recovery stays off (DESIGN: it does not recover reliably); this loop owns
         // reconnection.
         // lapin drops the broker's version; a probe of our own reads it meanwhile.
-        let (server, connection) =
-            tokio::join!(ServerInfo::probe(url), Connection::connect(url, props));
+        let tls = if url.is_tls() {
+            config.tls.load()?
+        } else {
+            Default::default()
+        };
+        let (server, connection) = tokio::join!(
+            ServerInfo::probe_uri(url.uri(), tls),
+            tls::connect_url(url, props, &config.tls)
+        );
         let connection = Arc::new(connection?);
         let server = match server {
             Ok(info) => {

@@ -1,23 +1,22 @@
 //! The builder, the worker and its reconnect loop.
 
 use std::future::Future;
-use std::str::FromStr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use lapin::uri::AMQPUri;
 use rand::rngs::StdRng;
 use rand::SeedableRng;
 use redeliver_amqp::delay::DelayConfig;
 use redeliver_amqp::publisher::PublishError;
+use redeliver_amqp::tls::{ConnectError, TlsConfig};
 use redeliver_amqp::topology::{Topology, TopologyError};
+use redeliver_amqp::url::BrokerUrl;
 use redeliver_core::{Backoff, Jitter, RetryPolicy};
 use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{error, info, warn};
 
-use crate::config::redact_url;
 use crate::handler::{Erased, ErasedHandler, FromDelivery, Handler};
 use crate::metrics_names;
 use crate::session::{Session, SessionEnd};
@@ -60,6 +59,9 @@ pub enum WorkerError {
     /// A worker task of [`run_all`] panicked or was cancelled.
     #[error("worker task failed: {0}")]
     Task(String),
+    /// Connecting failed: TLS settings, a refused certificate, an unreachable broker.
+    #[error(transparent)]
+    Connect(#[from] ConnectError),
 }
 
 impl WorkerError {
@@ -69,6 +71,10 @@ impl WorkerError {
             WorkerError::Topology(TopologyError::Amqp(_)) => false,
             WorkerError::Topology(_) | WorkerError::Config(_) | WorkerError::Signal(_) => true,
             WorkerError::Amqp(_) | WorkerError::Publisher(_) | WorkerError::Task(_) => false,
+            // Unusable settings are fatal; a refused certificate or an unreachable broker may be
+            // fixed on the other side (a renewed certificate, a DNS change) while we retry.
+            WorkerError::Connect(ConnectError::Url(_) | ConnectError::Tls(_)) => true,
+            WorkerError::Connect(_) => false,
         }
     }
 }
@@ -105,6 +111,7 @@ pub struct WorkerBuilder {
     reconnect_jitter: Jitter,
     requeue_limit: u32,
     max_message_size: Option<usize>,
+    tls: TlsConfig,
     status: StatusSender,
 }
 
@@ -147,6 +154,7 @@ impl WorkerBuilder {
             reconnect_jitter: Jitter::Full,
             requeue_limit: crate::requeue::DEFAULT_REQUEUE_LIMIT,
             max_message_size: None,
+            tls: TlsConfig::new(),
             status: StatusSender::new(),
         }
     }
@@ -342,6 +350,22 @@ impl WorkerBuilder {
         self
     }
 
+    /// TLS settings for `amqps://` URLs: a CA bundle, a client certificate for mutual TLS, SASL
+    /// EXTERNAL. Default: the system's root certificates, password login. The broker's
+    /// certificate is always verified, its host name included. See [`TlsConfig`].
+    ///
+    /// ```
+    /// use redeliver_worker::{TlsConfig, Worker};
+    /// let builder = Worker::builder("amqps://app:secret@rabbit.internal:5671/%2f")
+    ///     .queue("images")
+    ///     .tls(TlsConfig::new().ca_file("/etc/redeliver/ca.pem"));
+    /// # let _ = builder;
+    /// ```
+    pub fn tls(mut self, tls: TlsConfig) -> Self {
+        self.tls = tls;
+        self
+    }
+
     /// A readiness handle, usable before the worker runs (for a health server started first).
     pub fn status_handle(&self) -> WorkerStatus {
         self.status.handle()
@@ -350,10 +374,10 @@ impl WorkerBuilder {
     /// Validates the configuration and returns the worker.
     pub fn build(self) -> Result<Worker, WorkerError> {
         let mut urls = Vec::with_capacity(1 + self.failover_urls.len());
-        for url in std::iter::once(self.url).chain(self.failover_urls) {
-            AMQPUri::from_str(&url).map_err(|e| {
-                WorkerError::Config(format!("invalid AMQP URL {}: {e}", redact_url(&url)))
-            })?;
+        for raw in std::iter::once(self.url).chain(self.failover_urls) {
+            // An amqps:// URL in a build without TLS is refused here, before any connection.
+            let url = BrokerUrl::parse(&raw).map_err(|e| WorkerError::Config(e.to_string()))?;
+            self.tls.check(&url)?;
             urls.push(url);
         }
         let mut topology = match (self.topology, self.queue) {
@@ -423,6 +447,7 @@ impl WorkerBuilder {
                 reconnect_jitter: self.reconnect_jitter,
                 requeue_limit: self.requeue_limit,
                 max_message_size: self.max_message_size,
+                tls: self.tls,
             }),
             status: self.status,
         })
@@ -442,7 +467,7 @@ impl WorkerBuilder {
 /// Settings of a built worker, shared by its sessions and delivery tasks.
 pub(crate) struct Config {
     /// The builder's URL first, then the failover URLs; never empty.
-    pub(crate) urls: Vec<String>,
+    pub(crate) urls: Vec<BrokerUrl>,
     pub(crate) connection_name: String,
     pub(crate) queue: String,
     pub(crate) topology: Topology,
@@ -457,6 +482,7 @@ pub(crate) struct Config {
     pub(crate) reconnect_jitter: Jitter,
     pub(crate) requeue_limit: u32,
     pub(crate) max_message_size: Option<usize>,
+    pub(crate) tls: TlsConfig,
 }
 
 /// State that outlives one connection: the concurrency limit and the in-flight tasks belong to the
@@ -638,11 +664,11 @@ async fn reconnect_loop(
         let failed = match opened {
             Ok(Ok(session)) => {
                 if ever_consumed {
-                    info!(queue = %config.queue, broker = %redact_url(url), after_failed_rounds = failures, "connection recovered; consuming again");
+                    info!(queue = %config.queue, broker = %url, after_failed_rounds = failures, "connection recovered; consuming again");
                 } else {
                     info!(
                         queue = %config.queue,
-                        broker = %redact_url(url),
+                        broker = %url,
                         prefetch = config.prefetch,
                         concurrency = config.concurrency,
                         "consuming"
@@ -661,7 +687,7 @@ async fn reconnect_loop(
                         return Ok(());
                     }
                     SessionEnd::Lost(reason) => {
-                        warn!(queue = %config.queue, broker = %redact_url(url), reason = %reason, "consumer session lost; reconnecting");
+                        warn!(queue = %config.queue, broker = %url, reason = %reason, "consumer session lost; reconnecting");
                         // The node may be gone: start the next round with another one.
                         url_index = (url_index + 1) % config.urls.len();
                         metrics::counter!(metrics_names::RECONNECTS, metrics_names::LABEL_QUEUE => config.queue.clone())
@@ -673,11 +699,11 @@ async fn reconnect_loop(
             }
             Ok(Err(e)) if e.is_fatal() => return Err(e),
             Ok(Err(e)) => {
-                warn!(queue = %config.queue, broker = %redact_url(url), round = failures + 1, error = %e, "cannot connect and consume");
+                warn!(queue = %config.queue, broker = %url, round = failures + 1, error = %e, "cannot connect and consume");
                 true
             }
             Err(_elapsed) => {
-                warn!(queue = %config.queue, broker = %redact_url(url), round = failures + 1, timeout = ?CONNECT_TIMEOUT, "connect attempt timed out");
+                warn!(queue = %config.queue, broker = %url, round = failures + 1, timeout = ?CONNECT_TIMEOUT, "connect attempt timed out");
                 true
             }
         };

@@ -219,7 +219,7 @@ pub async fn run_all(opts: RunOptions) -> Result<()> {
     eprintln!(
         "redeliver-bench{}: prefix '{prefix}', broker {}",
         if opts.short { " --short" } else { "" },
-        redact(&opts.url)
+        redeliver_amqp::url::redact(&opts.url)
     );
     let load_start = loadavg();
     let mut report = Report::default();
@@ -370,13 +370,6 @@ fn loadavg() -> String {
     std::fs::read_to_string("/proc/loadavg")
         .map(|l| l.split_whitespace().take(3).collect::<Vec<_>>().join(" / "))
         .unwrap_or_else(|_| "?".into())
-}
-
-fn redact(url: &str) -> String {
-    match (url.find("://"), url.rfind('@')) {
-        (Some(s), Some(at)) if at > s => format!("{}://***@{}", &url[..s], &url[at + 1..]),
-        _ => url.to_string(),
-    }
 }
 
 fn machine_line(ctx: &Ctx) -> String {
