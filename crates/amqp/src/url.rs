@@ -45,13 +45,15 @@ fn scheme_len(s: &str) -> Option<usize> {
         .then_some(colon)
 }
 
-/// Splits a `;`-separated list of URLs. Only a `;` followed by a scheme (`amqp:`, `amqps:`)
-/// separates: one inside a password stays in its URL (so it is masked with the rest).
+/// Splits a `;`-separated list of URLs. Only a `;` followed by a scheme (`amqp:`, `amqps:`), by
+/// more `;` or by nothing separates: one inside a password stays in its URL (so it is masked with
+/// the rest). Empty entries are the caller's to skip.
 pub fn split_list(raw: &str) -> Vec<&str> {
     let mut parts = Vec::new();
     let mut from = 0;
     for (i, _) in raw.match_indices(';') {
-        if scheme_len(raw[i + 1..].trim_start()).is_some() {
+        let rest = raw[i + 1..].trim_start_matches(|c: char| c == ';' || c.is_whitespace());
+        if rest.is_empty() || scheme_len(rest).is_some() {
             parts.push(&raw[from..i]);
             from = i + 1;
         }
