@@ -235,6 +235,16 @@ impl Session {
                 biased;
                 _ = &mut cancelled => return SessionEnd::Shutdown(Box::new(self)),
                 ev = self.events.next() => match ev {
+                    // lapin reports a channel closed by the broker (a 404 or 406 on the
+                    // publisher's channel, say) on the connection's events too: only a dead
+                    // connection or consumer channel ends the session.
+                    Some(Event::Error(e))
+                        if self.shared.connection.status().connected()
+                            && self.channel.status().connected() =>
+                    {
+                        warn!(queue = %worker.config.queue, error = %e, "the broker closed a channel of this connection (the publisher reopens its own)");
+                        continue;
+                    }
                     Some(Event::Error(e)) => break format!("connection error: {e}"),
                     Some(other) => {
                         debug!(event = ?other, "connection event");
@@ -675,7 +685,7 @@ impl DeliveryTask {
         );
         // The default exchange routes to the queue by name, whatever its bindings.
         let published = match self.session.publisher().await {
-            Ok(p) => p.publish_bytes("", queue, &self.delivery.data, props).await,
+            Ok(p) => p.publish_copy("", queue, &self.delivery.data, props).await,
             Err(e) => Err(e),
         };
         match published {

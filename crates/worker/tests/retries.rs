@@ -386,12 +386,7 @@ async fn unconfirmable_and_too_large_retry_copies_end_in_the_dlq() {
                 Err::<(), _>(HandlerError::transient("downstream unavailable"))
             }
         });
-    let mut status = builder.status_handle();
-    let run = tokio::spawn(builder.run(token.clone()));
-    status
-        .wait_for_timeout(Duration::from_secs(20), |s| *s == WorkerState::Consuming)
-        .await
-        .expect("consuming");
+    let (status, run) = run_consuming(builder, &token).await;
 
     // Too large first, while the delay levels still exist: refused before it is sent.
     publish_all(&conn, &queue, vec![(vec![b'x'; 2000], props("big"))]).await;
@@ -424,14 +419,36 @@ async fn unconfirmable_and_too_large_retry_copies_end_in_the_dlq() {
         tokio::time::sleep(Duration::from_millis(100)).await;
         dead.extend(drain_queue(&conn, &topo.dlq_name()).await);
     }
+    // Level 1's exchange gone too: each copy is now refused with a 404, which closes the
+    // publisher's channel. That must not cost the consuming session (no reconnect, which would
+    // also declare the exchange again): the same bound applies.
+    redeliver_testkit::mgmt::delete(&format!("/api/exchanges/%2f/{}", pct(&delay.level_name(1))))
+        .expect("delete level 1's exchange");
+    publish_all(&conn, &queue, vec![(b"closing".to_vec(), props("404"))]).await;
+    let start = Instant::now();
+    let mut left_consuming = false;
+    while dead.len() < 3 && start.elapsed() < Duration::from_secs(30) {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        left_consuming |= status.state() != WorkerState::Consuming;
+        dead.extend(drain_queue(&conn, &topo.dlq_name()).await);
+    }
     token.cancel();
     run.await.unwrap().unwrap();
     drop(names);
 
     assert_eq!(
         dead.iter().map(Got::message_id).collect::<Vec<_>>(),
-        ["big", "stuck"],
+        ["big", "stuck", "404"],
         "RabbitMQ {version}"
+    );
+    assert!(
+        !left_consuming,
+        "a closed publisher channel made the worker reconnect"
+    );
+    assert_eq!(
+        calls.lock().unwrap().get("404").map(Vec::len),
+        Some(requeue_limit as usize + 1),
+        "RabbitMQ {version}: refused by a closed channel, bounded the same way"
     );
     let stuck_calls = calls.lock().unwrap().get("stuck").map(Vec::len);
     assert_eq!(
@@ -446,4 +463,41 @@ async fn unconfirmable_and_too_large_retry_copies_end_in_the_dlq() {
     println!(
         "RabbitMQ {version}: too large: 1 call; unconfirmable: {stuck_calls:?} calls, then the DLQ"
     );
+}
+
+/// A message without a message_id is retried without one: every attempt sees the same (absent)
+/// identity, no random id per copy.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retry_copies_keep_a_missing_message_id() {
+    init_tracing();
+    let (_names, conn, topo, queue) =
+        fixture("anon", QueueType::Classic, 4, QueueType::Classic).await;
+    let seen: Arc<std::sync::Mutex<Vec<Option<String>>>> = Default::default();
+    let s = seen.clone();
+    let token = CancellationToken::new();
+    let builder = Worker::builder(amqp_url())
+        .topology(topo.clone())
+        .policy(RetryPolicy::constant(Duration::from_millis(20)).max_retries(3))
+        .handler(move |_m: Raw, ctx: Context| {
+            let s = s.clone();
+            async move {
+                let mut seen = s.lock().unwrap();
+                seen.push(ctx.message_id().map(str::to_owned));
+                if seen.len() < 3 {
+                    Err(HandlerError::transient("again"))
+                } else {
+                    Ok(())
+                }
+            }
+        });
+    let (_status, run) = run_consuming(builder, &token).await;
+    let props = redeliver_worker::lapin::BasicProperties::default().with_delivery_mode(2);
+    publish_all(&conn, &queue, vec![(b"anonymous".to_vec(), props)]).await;
+    assert!(
+        eventually(Duration::from_secs(10), || seen.lock().unwrap().len() >= 3).await,
+        "not retried twice"
+    );
+    token.cancel();
+    run.await.unwrap().unwrap();
+    assert_eq!(*seen.lock().unwrap(), vec![None, None, None]);
 }

@@ -86,12 +86,7 @@ async fn worker_consumes_retries_and_dead_letters_over_tls() {
                 }
             }
         });
-    let mut status = builder.status_handle();
-    let run = tokio::spawn(builder.run(token.clone()));
-    status
-        .wait_for_timeout(Duration::from_secs(20), |s| *s == WorkerState::Consuming)
-        .await
-        .expect("consuming over TLS");
+    let (_status, run) = run_consuming(builder, &token).await;
     publish_all(
         &conn,
         &queue,
