@@ -235,9 +235,11 @@ impl Publisher {
     /// Publishes through the delay infrastructure so the message reaches `queue` (the full queue
     /// name, prefix included) after `delay`, rounded up to the granularity.
     ///
-    /// The properties are kept as given (a retry passes the original's properties plus the retry
-    /// headers); `message_id`, `content_type`, `timestamp` and `delivery_mode` are only filled
-    /// when absent. The confirm means the broker holds the message in the delay levels. A
+    /// The properties are kept as given, since a retry passes its original's: a message without
+    /// a `message_id` gets none (every copy of it must share the original's identity, absent or
+    /// not), and only `delivery_mode` is filled when absent (persistent, so the wait survives a
+    /// broker restart). Set a `message_id` yourself when publishing a new message this way. The
+    /// confirm means the broker holds the message in the delay levels. A
     /// destination queue that does not exist (or is not bound to the deliver exchange) is only
     /// found out when the delay expires: the message is then parked in the unroutable queue.
     pub async fn publish_delayed(
@@ -248,13 +250,26 @@ impl Publisher {
         props: BasicProperties,
     ) -> Result<(), PublishError> {
         let route = self.inner.delay.route(queue, delay)?;
-        self.publish_filled(
-            &route.exchange,
-            &route.routing_key,
-            body,
-            fill(props, OCTET_STREAM),
-        )
-        .await
+        let props = match props.delivery_mode() {
+            Some(_) => props,
+            None => props.with_delivery_mode(2),
+        };
+        self.publish_filled(&route.exchange, &route.routing_key, body, props)
+            .await
+    }
+
+    /// Publishes a copy of a message, its properties exactly as given (nothing filled in), and
+    /// waits for the broker's confirm: what a replay or a repaired copy needs, where the copy must
+    /// be the original byte for byte, `message_id` (or its absence) included.
+    pub async fn publish_copy(
+        &self,
+        exchange: &str,
+        routing_key: &str,
+        body: &[u8],
+        props: BasicProperties,
+    ) -> Result<(), PublishError> {
+        self.publish_filled(exchange, routing_key, body, props)
+            .await
     }
 
     async fn publish_filled(

@@ -9,11 +9,30 @@ use lapin::types::FieldTable;
 use lapin::{Connection, ConnectionProperties};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
+use redeliver_amqp::tls::TlsConfig;
 
+/// TLS settings for an `amqps://` URL, from the worker's variables: `REDELIVER_TLS_CA_FILE`
+/// (and the client certificate ones), so both sides of a run connect the same way.
+pub fn tls_from_env() -> TlsConfig {
+    let var = |n: &str| std::env::var(n).ok().filter(|v| !v.is_empty());
+    let mut t = TlsConfig::new();
+    if let Some(ca) = var("REDELIVER_TLS_CA_FILE") {
+        t = t.ca_file(ca);
+    }
+    if let (Some(c), Some(k)) = (
+        var("REDELIVER_TLS_CERT_FILE"),
+        var("REDELIVER_TLS_KEY_FILE"),
+    ) {
+        t = t.client_cert(c, k);
+    }
+    t
+}
+
+/// Connects like the worker does (lapin's `connect_uri_with_config`, TLS when the URL says so).
 pub async fn connect(url: &str) -> Result<Connection> {
     let attempt = tokio::time::timeout(
         Duration::from_secs(10),
-        Connection::connect(url, ConnectionProperties::default()),
+        redeliver_amqp::tls::connect(url, ConnectionProperties::default(), &tls_from_env()),
     )
     .await;
     match attempt {
@@ -25,12 +44,13 @@ pub async fn connect(url: &str) -> Result<Connection> {
 
 fn no_broker(url: &str, why: &str) -> anyhow::Error {
     anyhow!(
-        "cannot connect to RabbitMQ at {url}: {why}\n\
+        "cannot connect to RabbitMQ at {}: {why}\n\
          The benchmark needs a running broker. Start one with\n    \
          rabbitmq-server -detached        (or: bash scripts/ensure-rabbitmq.sh)\n\
          or with Docker\n    \
          docker compose -f compose/docker-compose.yml up -d rabbitmq\n\
-         or point AMQP_URL (or --url) at another broker."
+         or point AMQP_URL (or --url) at another broker.",
+        redeliver_amqp::url::redact(url)
     )
 }
 

@@ -223,6 +223,10 @@ async fn dispatch(cmd: Command, conn: &lapin::Connection) -> anyhow::Result<()> 
                     .levels(a.common.levels);
                 dlq::replay(conn, &unroutable_source(&a.common), &sel, cfg).await
             }
+            // --queue selects: only that destination's messages go, the rest keep their place.
+            UnroutableCmd::Purge(a) if a.common.destination.is_some() => {
+                dlq::purge_matching(conn, &unroutable_source(&a.common)).await
+            }
             UnroutableCmd::Purge(a) => dlq::purge(conn, &unroutable_queue(&a.common)).await,
         },
         Command::Delay(DelayCmd::Probe(p)) => {

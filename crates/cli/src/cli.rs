@@ -26,6 +26,10 @@ the parking queue and a quorum Q.dlq are therefore declared with x-delivery-limi
 which no listing can reach (a classic Q.dlq has no limit at all). Messages published while the \
 listing runs are not shown.";
 
+/// Help heading of the TLS options.
+const TLS_HEADING: &str =
+    "TLS (amqps://; the broker's certificate and host name are always verified)";
+
 /// Operator tool for redeliver: topology, dead-letter queues and the delay infrastructure.
 #[derive(Parser, Debug)]
 #[command(
@@ -82,7 +86,7 @@ pub struct Cli {
         global = true,
         hide_env_values = true,
         value_name = "PATH",
-        help_heading = "TLS (amqps://; the broker's certificate and host name are always verified)"
+        help_heading = TLS_HEADING
     )]
     pub tls_ca_file: Option<PathBuf>,
 
@@ -94,7 +98,7 @@ pub struct Cli {
         hide_env_values = true,
         value_name = "PATH",
         requires = "tls_key_file",
-        help_heading = "TLS (amqps://; the broker's certificate and host name are always verified)"
+        help_heading = TLS_HEADING
     )]
     pub tls_cert_file: Option<PathBuf>,
 
@@ -106,7 +110,7 @@ pub struct Cli {
         hide_env_values = true,
         value_name = "PATH",
         requires = "tls_cert_file",
-        help_heading = "TLS (amqps://; the broker's certificate and host name are always verified)"
+        help_heading = TLS_HEADING
     )]
     pub tls_key_file: Option<PathBuf>,
 
@@ -116,7 +120,7 @@ pub struct Cli {
         env = "REDELIVER_TLS_SASL_EXTERNAL",
         global = true,
         requires = "tls_cert_file",
-        help_heading = "TLS (amqps://; the broker's certificate and host name are always verified)"
+        help_heading = TLS_HEADING
     )]
     pub sasl_external: bool,
 

@@ -358,7 +358,8 @@ async fn replay_loop(
             continue;
         };
         let props = message::replay_properties(&d.properties, reset);
-        match publisher.publish_bytes("", &dest, &d.data, props).await {
+        // A copy, not a new message: no message_id is invented for one that had none.
+        match publisher.publish_copy("", &dest, &d.data, props).await {
             Ok(()) => {}
             Err(PublishError::Returned { .. }) if matches!(src, Source::Unroutable { .. }) => {
                 report.skipped.push(format!(
@@ -393,6 +394,59 @@ async fn replay_loop(
         report.moved += 1;
         bar.inc(1);
     }
+    Ok(())
+}
+
+/// `purge` with a selection (`unroutable purge --queue Q`): removes only the messages `src`
+/// wants; every other one goes back to the queue in its place when the reader closes.
+pub async fn purge_matching(conn: &Connection, src: &Source) -> anyhow::Result<()> {
+    let queue = src.queue().to_owned();
+    let counts = browse::require_queue(conn, &queue).await?;
+    if counts.messages == 0 {
+        println!("'{queue}' is empty: nothing to purge");
+        return Ok(());
+    }
+    let window = counts.messages.min(MAX_PREFETCH);
+    let bar = output::progress(u64::from(counts.messages), "scanning");
+    let mut reader = Reader::open(conn, &queue, window).await?;
+    let (mut purged, mut kept) = (0u64, 0u64);
+    let scanned = async {
+        // Unselected messages stay unacknowledged (they go back on close), so at most `window`
+        // of them can be looked past.
+        while purged + kept < u64::from(counts.messages) && kept < u64::from(window) {
+            let Some(d) = reader.next(IDLE).await? else {
+                break;
+            };
+            let position = (purged + kept + 1) as usize;
+            if src.wanted(&src.summarize(position, &d)) {
+                d.acker
+                    .ack(BasicAckOptions::default())
+                    .await
+                    .with_context(|| format!("cannot remove message #{position} from '{queue}'"))?;
+                purged += 1;
+            } else {
+                kept += 1;
+            }
+            bar.inc(1);
+        }
+        anyhow::Ok(())
+    }
+    .await;
+    bar.finish_and_clear();
+    let closed = reader.close().await;
+    scanned?;
+    closed?;
+    println!(
+        "purged {purged} message(s) from '{queue}', kept {kept} in their order{}",
+        if purged + kept < u64::from(counts.messages) {
+            format!(
+                " ({} not examined: run again)",
+                u64::from(counts.messages) - purged - kept
+            )
+        } else {
+            String::new()
+        }
+    );
     Ok(())
 }
 

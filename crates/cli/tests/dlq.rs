@@ -466,3 +466,43 @@ async fn dlq_list_over_amqps() {
     );
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A dead letter without a message_id is replayed without one (not with a new random id):
+/// duplicates of a message must share its identity, absent or not.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replay_keeps_a_missing_message_id() {
+    let conn = connect().await;
+    let p = prefix();
+    let _cleanup = Cleanup::new(&p, &["anon"]);
+    declare("anon", &p, &["--classic"]);
+    let q = format!("{p}anon");
+    let ch = conn.create_channel().await.unwrap();
+    ch.confirm_select(Default::default()).await.unwrap();
+    ch.basic_publish(
+        "".into(),
+        q.as_str().into(),
+        Default::default(),
+        b"no id",
+        lapin::BasicProperties::default().with_delivery_mode(2),
+    )
+    .await
+    .unwrap()
+    .await
+    .unwrap();
+    reject_all(&conn, &q, 1).await;
+    wait_count(&conn, &format!("{q}.dlq"), 1, Duration::from_secs(10)).await;
+    cli(&["dlq", "replay", "anon", "--prefix", &p]).ok();
+    let back = drain(&conn, &q).await;
+    assert_eq!(back.len(), 1);
+    assert_eq!(back[0].delivery.data, b"no id");
+    assert_eq!(
+        back[0].delivery.properties.message_id(),
+        &None,
+        "no id invented"
+    );
+    assert_eq!(
+        back[0].delivery.properties.content_type(),
+        &None,
+        "nothing filled in"
+    );
+}

@@ -158,3 +158,67 @@ async fn purge_of_the_parking_queue_requires_yes() {
     .ok();
     assert!(out.stdout.contains("purged 1 message(s)"), "{}", out.stdout);
 }
+
+/// `unroutable purge --queue Q` removes only the messages parked for Q; the others stay, in
+/// their order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn purge_with_a_queue_filter_removes_only_that_destination() {
+    let conn = connect().await;
+    let p = prefix();
+    let _cleanup = Cleanup::new(&p, &["home"]);
+    declare("home", &p, &[]);
+    let cfg = DelayConfig::new().prefix(p.clone()).levels(LEVELS);
+    let parking = cfg.unroutable_name();
+    let publisher = Publisher::new(&conn, cfg.clone()).await.unwrap();
+    let parked = [
+        ("a-0", "gone-a"),
+        ("b-0", "gone-b"),
+        ("a-1", "gone-a"),
+        ("b-1", "gone-b"),
+        ("b-2", "gone-b"),
+    ];
+    for (id, dest) in parked {
+        let props = BasicProperties::default().with_message_id(id.into());
+        publisher
+            .publish_delayed(&format!("{p}{dest}"), Duration::ZERO, id.as_bytes(), props)
+            .await
+            .unwrap();
+    }
+    wait_count(&conn, &parking, 5, Duration::from_secs(10)).await;
+    let levels = LEVELS.to_string();
+    let gone_a = format!("{p}gone-a");
+    let out = cli(&[
+        "unroutable",
+        "purge",
+        "--prefix",
+        &p,
+        "--levels",
+        &levels,
+        "--queue",
+        &gone_a,
+        "--yes",
+    ])
+    .ok();
+    assert!(out.stdout.contains("purged 2 message(s)"), "{}", out.stdout);
+    assert!(out.stdout.contains("kept 3"), "{}", out.stdout);
+    assert_eq!(
+        ids_of(&list(&p, &[])),
+        ["b-0", "b-1", "b-2"],
+        "the rest, in order"
+    );
+    let nobody = format!("{p}nobody");
+    let out = cli(&[
+        "unroutable",
+        "purge",
+        "--prefix",
+        &p,
+        "--levels",
+        &levels,
+        "--queue",
+        &nobody,
+        "--yes",
+    ])
+    .ok();
+    assert!(out.stdout.contains("purged 0 message(s)"), "{}", out.stdout);
+    assert_eq!(count(&conn, &parking).await, 3);
+}

@@ -34,6 +34,7 @@ pub async fn start(
         .queue_type(queue_type)
         .delay(delay);
     let builder = Worker::builder(url)
+        .tls(crate::broker::tls_from_env())
         .topology(topology)
         .policy(policy)
         .prefetch(args.prefetch)
