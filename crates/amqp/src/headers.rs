@@ -25,8 +25,24 @@ pub const ORIGINAL_EXCHANGE: &str = "x-redeliver-original-exchange";
 pub const ORIGINAL_ROUTING_KEY: &str = "x-redeliver-original-routing-key";
 /// Delay in milliseconds applied to reach this copy (input of decorrelated jitter).
 pub const DELAY_MS: &str = "x-redeliver-delay-ms";
-/// Why a message was dead-lettered (reserved; informative only).
+/// Why the worker dead-lettered a message (`Annotate` mode): `permanent`, `retries_exhausted`,
+/// `budget_exhausted`, `undecodable`, `too_large`, `requeue_limit`.
 pub const DEAD_LETTER_REASON: &str = "x-redeliver-dead-letter-reason";
+/// The final error, with its `source()` chain, truncated to [`DEAD_LETTER_ERROR_MAX_BYTES`]
+/// (`Annotate` mode).
+pub const DEAD_LETTER_ERROR: &str = "x-redeliver-dead-letter-error";
+/// Deliveries the worker handled before it gave up: long-long int, 1 when it gave up on the
+/// first (`Annotate` mode).
+pub const DEAD_LETTER_ATTEMPTS: &str = "x-redeliver-dead-letter-attempts";
+/// When the worker dead-lettered the message, RFC 3339 (`Annotate` mode; the last failure).
+pub const DEAD_LETTERED_AT: &str = "x-redeliver-dead-lettered-at";
+/// The connection name of the worker that dead-lettered it (`Annotate` mode).
+pub const DEAD_LETTERED_BY: &str = "x-redeliver-dead-lettered-by";
+/// The message's `expiration` property, which a dead letter does not keep (it would expire in
+/// the DLQ), as RabbitMQ's own dead-lettering keeps it in `x-death` (`Annotate` mode).
+pub const ORIGINAL_EXPIRATION: &str = "x-redeliver-original-expiration";
+/// Maximum size of [`DEAD_LETTER_ERROR`] in bytes.
+pub const DEAD_LETTER_ERROR_MAX_BYTES: usize = 4096;
 /// Set on a copy whose malformed `x-death` the worker removed before the broker could read it
 /// (see [`sanitize_x_death`]); the value names what was removed.
 pub const SANITIZED: &str = "x-redeliver-sanitized";
@@ -296,6 +312,76 @@ pub fn retry_copy_headers(original: Option<&FieldTable>, state: &RetryState) -> 
     table
 }
 
+/// What the worker wrote on a dead letter it published itself (`Annotate` mode), read back by
+/// operators' tools.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct DeadLetterInfo {
+    /// [`DEAD_LETTER_REASON`].
+    pub reason: String,
+    /// [`DEAD_LETTER_ERROR`].
+    pub error: Option<String>,
+    /// [`DEAD_LETTER_ATTEMPTS`].
+    pub attempts: Option<u64>,
+    /// [`DEAD_LETTERED_AT`].
+    pub at: Option<String>,
+    /// [`DEAD_LETTERED_BY`].
+    pub by: Option<String>,
+}
+
+impl DeadLetterInfo {
+    /// Reads the annotation; `None` when the message carries no [`DEAD_LETTER_REASON`] (it was
+    /// dead-lettered by the broker: see its `x-death`). Tolerant like [`RetryState::read`].
+    pub fn read(headers: Option<&FieldTable>) -> Option<Self> {
+        let t = headers?;
+        let get = |k: &str| t.inner().get(k);
+        let text = |k: &str| get(k).and_then(as_string).filter(|s| !s.is_empty());
+        Some(Self {
+            reason: text(DEAD_LETTER_REASON)?,
+            error: text(DEAD_LETTER_ERROR).map(|e| truncate_to(&e, DEAD_LETTER_ERROR_MAX_BYTES)),
+            attempts: get(DEAD_LETTER_ATTEMPTS).and_then(as_u64),
+            at: text(DEAD_LETTERED_AT).filter(|s| s.len() <= 64),
+            by: text(DEAD_LETTERED_BY),
+        })
+    }
+
+    /// Writes the annotation into `headers` (strings and a long-long int, readable in the
+    /// management UI).
+    pub fn write(&self, headers: &mut FieldTable) {
+        let text = |s: &str| AMQPValue::LongString(LongString::from(s.as_bytes()));
+        headers.insert(DEAD_LETTER_REASON.into(), text(&self.reason));
+        if let Some(e) = &self.error {
+            headers.insert(
+                DEAD_LETTER_ERROR.into(),
+                text(&truncate_to(e, DEAD_LETTER_ERROR_MAX_BYTES)),
+            );
+        }
+        if let Some(n) = self.attempts {
+            headers.insert(
+                DEAD_LETTER_ATTEMPTS.into(),
+                AMQPValue::LongLongInt(i64::try_from(n).unwrap_or(i64::MAX)),
+            );
+        }
+        if let Some(at) = &self.at {
+            headers.insert(DEAD_LETTERED_AT.into(), text(at));
+        }
+        if let Some(by) = &self.by {
+            headers.insert(DEAD_LETTERED_BY.into(), text(by));
+        }
+    }
+}
+
+/// Truncates `s` to at most `max` bytes, cutting on a char boundary.
+pub fn truncate_to(s: &str, max: usize) -> String {
+    if s.len() <= max {
+        return s.to_owned();
+    }
+    let mut end = max;
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    s[..end].to_owned()
+}
+
 /// Truncates `s` to at most [`LAST_ERROR_MAX_BYTES`] bytes, cutting on a char boundary.
 ///
 /// ```
@@ -306,14 +392,7 @@ pub fn retry_copy_headers(original: Option<&FieldTable>, state: &RetryState) -> 
 /// assert!(long.starts_with(&t));
 /// ```
 pub fn truncate_error(s: &str) -> String {
-    if s.len() <= LAST_ERROR_MAX_BYTES {
-        return s.to_owned();
-    }
-    let mut end = LAST_ERROR_MAX_BYTES;
-    while !s.is_char_boundary(end) {
-        end -= 1;
-    }
-    s[..end].to_owned()
+    truncate_to(s, LAST_ERROR_MAX_BYTES)
 }
 
 /// The current time as an RFC 3339 string with millisecond precision, UTC
@@ -363,6 +442,30 @@ fn as_string(v: &AMQPValue) -> Option<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn dead_letter_info_round_trip() {
+        let info = DeadLetterInfo {
+            reason: "retries_exhausted".into(),
+            error: Some("timeout: connect: refused".into()),
+            attempts: Some(4),
+            at: Some("2026-12-03T08:00:00.000Z".into()),
+            by: Some("redeliver-worker:images".into()),
+        };
+        let mut t = FieldTable::default();
+        info.write(&mut t);
+        assert_eq!(DeadLetterInfo::read(Some(&t)), Some(info));
+        assert_eq!(DeadLetterInfo::read(Some(&FieldTable::default())), None);
+        let mut long = FieldTable::default();
+        DeadLetterInfo {
+            reason: "permanent".into(),
+            error: Some("é".repeat(5000)),
+            ..Default::default()
+        }
+        .write(&mut long);
+        let read = DeadLetterInfo::read(Some(&long)).unwrap();
+        assert!(read.error.unwrap().len() <= DEAD_LETTER_ERROR_MAX_BYTES);
+    }
     use lapin::types::FieldArray;
 
     fn table(entries: Vec<(&str, AMQPValue)>) -> FieldTable {

@@ -53,7 +53,7 @@ pub mod url;
 pub use lapin;
 
 pub use delay::{DelayConfig, DelayError, DelayRoute, OverMax};
-pub use headers::{RetryState, XDeath};
+pub use headers::{DeadLetterInfo, RetryState, XDeath};
 pub use names::{validate_queue_name, NameError};
 pub use publisher::{OutgoingMessage, PublishError, Publisher};
 pub use server::{BrokerVersion, ServerInfo};
