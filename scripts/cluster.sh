@@ -134,6 +134,12 @@ start_node() { # starts node I detached; returns at once
   if is_up "$i"; then
     return 0
   fi
+  if (exec 3<>"/dev/tcp/127.0.0.1/$(amqp_port "$i")") 2>/dev/null; then
+    echo "port $(amqp_port "$i") is taken by something that is not $(node_name "$i") of this RabbitMQ" \
+      "(a node of another version left running by an interrupted test? .ci/run reaps them;" \
+      "by hand: RD_CLUSTER_CHROOT=<its chroot> scripts/cluster.sh clean)" >&2
+    return 1
+  fi
   write_config "$i"
   d=$(node_dir "$i")
   # RABBITMQ_* variables win over any rabbitmq-env.conf; both are set so the node is ours even
