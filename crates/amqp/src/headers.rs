@@ -370,6 +370,47 @@ impl DeadLetterInfo {
     }
 }
 
+/// Headers of a dead letter the worker publishes itself (`Annotate` mode): the original's,
+/// without the broker's delivery bookkeeping (`x-death` of the delay hops, `x-first-death-*`,
+/// `x-last-death-*`, delivery counters), with the retry state kept, `x-redeliver-first-failed-at`
+/// set if this is the first failure, the annotation, and the `expiration` the dead letter does not
+/// keep.
+pub fn dead_letter_headers(
+    original: Option<&FieldTable>,
+    info: &DeadLetterInfo,
+    expiration: Option<&str>,
+) -> FieldTable {
+    let mut t: BTreeMap<ShortString, AMQPValue> = original
+        .map(|t| {
+            t.inner()
+                .iter()
+                .filter(|(k, _)| !is_broker_header(k.as_str()))
+                .map(|(k, v)| (k.clone(), v.clone()))
+                .collect()
+        })
+        .unwrap_or_default();
+    let text = |s: &str| AMQPValue::LongString(LongString::from(s.as_bytes()));
+    if !t.contains_key(FIRST_FAILED_AT) {
+        let at = info.at.clone().unwrap_or_else(now_rfc3339);
+        t.insert(FIRST_FAILED_AT.into(), text(&at));
+    }
+    if let Some(e) = expiration {
+        t.insert(ORIGINAL_EXPIRATION.into(), text(e));
+    }
+    let mut table = FieldTable::from(t);
+    info.write(&mut table);
+    table
+}
+
+/// Headers the broker writes about deliveries and dead-lettering.
+fn is_broker_header(k: &str) -> bool {
+    k == X_DEATH
+        || k == X_DELIVERY_COUNT
+        || k == "x-acquired-count"
+        || k.starts_with(X_FIRST_DEATH_PREFIX)
+        || k.starts_with(X_LAST_DEATH_PREFIX)
+}
+
 /// Truncates `s` to at most `max` bytes, cutting on a char boundary.
 pub fn truncate_to(s: &str, max: usize) -> String {
     if s.len() <= max {

@@ -68,6 +68,37 @@ pub fn get_json(path: &str) -> Result<serde_json::Value, String> {
         .map_err(|e| e.to_string())
 }
 
+/// `POST {url()}{path}` with a JSON body; the JSON answer (e.g. `/api/queues/%2f/Q/get`, what
+/// the management UI's "Get messages" shows).
+pub fn post_json(path: &str, body: &serde_json::Value) -> Result<serde_json::Value, String> {
+    let url = format!("{}{}", url(), path);
+    let mut resp = ureq::post(&url)
+        .header("Authorization", &auth())
+        .send_json(body)
+        .map_err(|e| format!("POST {url}: {e}\n{START_BROKER}"))?;
+    resp.body_mut()
+        .read_json::<serde_json::Value>()
+        .map_err(|e| e.to_string())
+}
+
+/// The messages of `queue` as the management UI's "Get messages" shows them, left in place
+/// (ack mode "Nack message requeue true"): up to `count`, payloads decoded when they are text.
+pub fn get_messages(queue: &str, count: usize) -> Result<Vec<serde_json::Value>, String> {
+    let answer = post_json(
+        &format!("/api/queues/%2f/{}/get", pct(queue)),
+        &serde_json::json!({
+            "count": count,
+            "ackmode": "ack_requeue_true",
+            "encoding": "auto",
+            "truncate": 1_000_000,
+        }),
+    )?;
+    answer
+        .as_array()
+        .cloned()
+        .ok_or_else(|| format!("not a list of messages: {answer}"))
+}
+
 /// `DELETE {url()}{path}`.
 pub fn delete(path: &str) -> Result<(), String> {
     let url = format!("{}{}", url(), path);

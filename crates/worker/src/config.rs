@@ -16,6 +16,7 @@
 //! | `REDELIVER_GRACE_PERIOD_SECS` | [`shutdown_grace`](WorkerBuilder::shutdown_grace) | seconds (decimals allowed) | 25 |
 //! | `REDELIVER_HANDLER_TIMEOUT_SECS` | [`handler_timeout`](WorkerBuilder::handler_timeout) | seconds; `0` = none | none |
 //! | `REDELIVER_VERIFY_ONLY` | [`verify_only`](WorkerBuilder::verify_only) | `true`/`false` (`1`/`0`, `yes`/`no`) | `false` |
+//! | `REDELIVER_DEAD_LETTER_MODE` | [`dead_letter_mode`](WorkerBuilder::dead_letter_mode) | `reject` or `annotate` ([`DeadLetterMode`](crate::DeadLetterMode)) | `reject` |
 //! | `REDELIVER_CONNECTION_NAME` | [`connection_name`](WorkerBuilder::connection_name) | text | `redeliver-worker:<queue>` |
 //! | `REDELIVER_MAX_RETRIES` | [`Config::policy`] → [`RetryPolicy::max_retries`] | integer | the policy's |
 //! | `REDELIVER_RETRY_BASE_MS` | [`Config::policy`] → [`RetryPolicy::base`] | milliseconds | the policy's |
@@ -73,6 +74,8 @@ pub const TLS_CERT_FILE: &str = "REDELIVER_TLS_CERT_FILE";
 pub const TLS_KEY_FILE: &str = "REDELIVER_TLS_KEY_FILE";
 /// `REDELIVER_TLS_SASL_EXTERNAL`: log in with the client certificate (SASL EXTERNAL).
 pub const TLS_SASL_EXTERNAL: &str = "REDELIVER_TLS_SASL_EXTERNAL";
+/// `REDELIVER_DEAD_LETTER_MODE`: `reject` (default) or `annotate`.
+pub const DEAD_LETTER_MODE: &str = "REDELIVER_DEAD_LETTER_MODE";
 /// `REDELIVER_QUEUE`: the queue to consume.
 pub const QUEUE: &str = "REDELIVER_QUEUE";
 /// `REDELIVER_PREFIX`: prefix of every object's name.
@@ -111,6 +114,7 @@ pub const VARIABLES: &[&str] = &[
     TLS_CERT_FILE,
     TLS_KEY_FILE,
     TLS_SASL_EXTERNAL,
+    DEAD_LETTER_MODE,
     QUEUE,
     PREFIX,
     PREFETCH,
@@ -200,6 +204,8 @@ pub struct Config {
     pub failover_urls: Vec<String>,
     /// `REDELIVER_TLS_*`; the default when none is set.
     pub tls: TlsConfig,
+    /// `REDELIVER_DEAD_LETTER_MODE`.
+    pub dead_letter_mode: Option<crate::DeadLetterMode>,
     /// `REDELIVER_QUEUE`.
     pub queue: Option<String>,
     /// `REDELIVER_PREFIX`.
@@ -237,6 +243,7 @@ impl Default for Config {
             amqp_url: DEFAULT_AMQP_URL.to_owned(),
             failover_urls: Vec::new(),
             tls: TlsConfig::new(),
+            dead_letter_mode: None,
             queue: None,
             prefix: None,
             prefetch: None,
@@ -269,6 +276,7 @@ impl fmt::Debug for Config {
                     .collect::<Vec<_>>(),
             )
             .field("tls", &self.tls)
+            .field("dead_letter_mode", &self.dead_letter_mode)
             .field("queue", &self.queue)
             .field("prefix", &self.prefix)
             .field("prefetch", &self.prefetch)
@@ -403,6 +411,7 @@ impl Config {
             tls = tls.sasl_external(yes);
         }
         cfg.tls = tls;
+        cfg.dead_letter_mode = parse(DEAD_LETTER_MODE, var(DEAD_LETTER_MODE)?, |v| v.parse())?;
         cfg.queue = var(QUEUE)?.map(|v| v.trim().to_owned());
         // Not trimmed: a prefix is taken literally (it may end with a separator like `-`).
         cfg.prefix = var(PREFIX)?;
@@ -445,7 +454,8 @@ impl Config {
         self.apply(Worker::builder(self.amqp_url.clone()))
     }
 
-    /// Applies the settings that are set to `builder`, overriding what it had: TLS, failover URLs,
+    /// Applies the settings that are set to `builder`, overriding what it had: TLS, dead-letter
+    /// mode, failover URLs,
     /// queue, prefix, prefetch, concurrency, grace period, handler timeout, verify-only and
     /// connection name.
     /// Setters called after this win over the environment.
@@ -458,6 +468,9 @@ impl Config {
     pub fn apply(&self, mut builder: WorkerBuilder) -> WorkerBuilder {
         if self.tls.is_configured() {
             builder = builder.tls(self.tls.clone());
+        }
+        if let Some(mode) = self.dead_letter_mode {
+            builder = builder.dead_letter_mode(mode);
         }
         if !self.failover_urls.is_empty() {
             builder = builder.failover_urls(self.failover_urls.clone());
@@ -685,6 +698,17 @@ mod tests {
         let c = cfg(&[(AMQP_URL, "amqp://user:hunter2@host:5672/%2f")]).unwrap();
         assert!(!format!("{c:?}").contains("hunter2"));
         assert_eq!(c.redacted_url(), "amqp://user:***@host:5672/%2f");
+    }
+
+    #[test]
+    fn dead_letter_mode() {
+        use crate::DeadLetterMode;
+        assert_eq!(cfg(&[]).unwrap().dead_letter_mode, None);
+        let c = cfg(&[(DEAD_LETTER_MODE, "Annotate")]).unwrap();
+        assert_eq!(c.dead_letter_mode, Some(DeadLetterMode::Annotate));
+        let e = cfg(&[(DEAD_LETTER_MODE, "republish")]).unwrap_err();
+        assert_eq!(e.var(), DEAD_LETTER_MODE);
+        assert!(e.to_string().contains("`annotate`"), "{e}");
     }
 
     #[test]

@@ -103,8 +103,8 @@ pub use handler::{BoxError, Context, DecodeError, FromDelivery, Handler, Json, R
 pub use health::{Health, HealthError, HealthServer};
 pub use status::{WorkerState, WorkerStatus};
 pub use worker::{
-    run_all, run_all_until_signal, Worker, WorkerBuilder, WorkerError, DEFAULT_CONCURRENCY,
-    DEFAULT_SHUTDOWN_GRACE,
+    run_all, run_all_until_signal, DeadLetterMode, Worker, WorkerBuilder, WorkerError,
+    DEFAULT_CONCURRENCY, DEFAULT_SHUTDOWN_GRACE,
 };
 
 pub use redeliver_amqp::delay::DelayConfig;

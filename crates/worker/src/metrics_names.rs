@@ -37,7 +37,8 @@ pub const MESSAGES_DEAD_LETTERED: &str = "redeliver_messages_dead_lettered_total
 pub const MESSAGES_SANITIZED: &str = "redeliver_messages_sanitized_total";
 /// Deliveries the worker gave back to their queue (`basic.nack(requeue = true)`) because the
 /// broker did not confirm the copy that was to replace them; label `reason` is
-/// [`REASON_RETRY_UNCONFIRMED`] or [`REASON_REPAIR_UNCONFIRMED`]. Bounded per message by
+/// [`REASON_RETRY_UNCONFIRMED`], [`REASON_REPAIR_UNCONFIRMED`] or
+/// [`REASON_DEAD_LETTER_UNCONFIRMED`]. Bounded per message by
 /// `WorkerBuilder::requeue_limit`, past which the message is dead-lettered
 /// ([`REASON_REQUEUE_LIMIT`]).
 pub const MESSAGES_REQUEUED: &str = "redeliver_messages_requeued_total";
@@ -83,3 +84,5 @@ pub const REASON_REQUEUE_LIMIT: &str = "requeue_limit";
 pub const REASON_RETRY_UNCONFIRMED: &str = "retry_unconfirmed";
 /// Requeue reason: the copy without a malformed `x-death` was not confirmed by the broker.
 pub const REASON_REPAIR_UNCONFIRMED: &str = "repair_unconfirmed";
+/// Requeue reason: the annotated dead letter (`DeadLetterMode::Annotate`) was not confirmed.
+pub const REASON_DEAD_LETTER_UNCONFIRMED: &str = "dead_letter_unconfirmed";

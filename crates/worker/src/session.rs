@@ -28,7 +28,7 @@ use crate::handler::{Context, HandlerFuture};
 use crate::meters::Meters;
 use crate::metrics_names as m;
 use crate::outcome::{self, HandlerOutcome, Plan};
-use crate::worker::{Shared, WorkerError};
+use crate::worker::{DeadLetterMode, Shared, WorkerError};
 
 /// Bound on each broker call made while shutting down, so a dead broker cannot stall the exit.
 const CLOSE_TIMEOUT: Duration = Duration::from_secs(5);
@@ -424,6 +424,8 @@ impl DeliveryTask {
             delivery_tag = self.delivery.delivery_tag,
             outcome = tracing::field::Empty,
             duration_ms = tracing::field::Empty,
+            reason = tracing::field::Empty,
+            error = tracing::field::Empty,
         );
         self.process(state).instrument(span).await;
     }
@@ -550,8 +552,103 @@ impl DeliveryTask {
         }
     }
 
-    /// `basic.reject(requeue = false)`: the broker's DLX moves the message to the DLQ.
+    /// Moves the message to the DLQ the configured way; the final error and reason go to the
+    /// span, the log line and the metric in every mode.
     async fn dead_letter(
+        &self,
+        reason: &'static str,
+        error: &str,
+        state: &RetryState,
+        message_id: &str,
+    ) -> &'static str {
+        let span = Span::current();
+        span.record("reason", reason);
+        span.record("error", error);
+        match self.worker.config.dead_letter_mode {
+            DeadLetterMode::Reject => self.reject_to_dlx(reason, error, state, message_id).await,
+            DeadLetterMode::Annotate => {
+                Box::pin(self.annotate_to_dlx(reason, error, state, message_id)).await
+            }
+        }
+    }
+
+    /// `Annotate`: publishes the dead letter to `Q.dlx` with the reason and the final error,
+    /// confirmed, then acks the original. The broker never sees a reject, so the copy carries no
+    /// `x-death`; unconfirmed, the original is requeued like a retry's.
+    async fn annotate_to_dlx(
+        &self,
+        reason: &'static str,
+        error: &str,
+        state: &RetryState,
+        message_id: &str,
+    ) -> &'static str {
+        let config = &self.worker.config;
+        if !self.delivery.acker.usable() {
+            return self.settle_failed("dead-letter", Ok(false));
+        }
+        let original = &self.delivery.properties;
+        let info = headers::DeadLetterInfo {
+            reason: reason.to_owned(),
+            error: Some(error.to_owned()),
+            attempts: Some(u64::from(state.attempt) + 1),
+            at: Some(headers::now_rfc3339()),
+            by: Some(config.connection_name.clone()),
+        };
+        let hdrs = headers::dead_letter_headers(
+            original.headers().as_ref(),
+            &info,
+            original.expiration().as_ref().map(|e| e.as_str()),
+        );
+        let props = outcome::retry_copy_properties(original, hdrs, &self.session.username);
+        let dlx = config.topology.dlx_name();
+        let published = match self.session.publisher().await {
+            Ok(p) => {
+                p.publish_copy(&dlx, &config.queue, &self.delivery.data, props)
+                    .await
+            }
+            Err(e) => Err(e),
+        };
+        match published {
+            Ok(()) => {
+                self.forget_requeues();
+                metrics::counter!(m::MESSAGES_DEAD_LETTERED, m::LABEL_QUEUE => config.queue.clone(), m::LABEL_REASON => reason)
+                    .increment(1);
+                warn!(
+                    message_id = %message_id,
+                    attempt = state.attempt,
+                    reason,
+                    error = %error,
+                    dlq = %config.topology.dlq_name(),
+                    "message dead-lettered (annotated)"
+                );
+                if self.ack(false) {
+                    "dead_lettered"
+                } else {
+                    warn!(message_id = %message_id, "dead letter published but the original could not be acked: it will be delivered again");
+                    self.settle_failed("ack after dead-letter", Ok(false))
+                }
+            }
+            // Headers do not count toward the broker's limit, so this only happens with a
+            // max_message_size set below the broker's: the broker can still move the original.
+            Err(PublishError::TooLarge { .. }) => {
+                self.reject_to_dlx(reason, error, state, message_id).await
+            }
+            Err(e) => {
+                error!(message_id = %message_id, error = %e, reason, "dead letter not confirmed by the broker; requeueing the original");
+                self.requeue_bounded(
+                    m::REASON_DEAD_LETTER_UNCONFIRMED,
+                    true,
+                    &e,
+                    state,
+                    message_id,
+                )
+                .await
+            }
+        }
+    }
+
+    /// `basic.reject(requeue = false)`: the broker's DLX moves the message to the DLQ.
+    async fn reject_to_dlx(
         &self,
         reason: &'static str,
         error: &str,
@@ -761,8 +858,12 @@ impl DeliveryTask {
             }
             error!(message_id = %message_id, requeues = count - 1, limit, "requeue limit reached: dead-lettering the message instead");
             let error = format!("{reason} {} times, last: {cause}", count - 1);
+            // Rejected whatever the mode: publishing is what keeps failing.
+            let span = Span::current();
+            span.record("reason", m::REASON_REQUEUE_LIMIT);
+            span.record("error", error.as_str());
             return self
-                .dead_letter(m::REASON_REQUEUE_LIMIT, &error, state, message_id)
+                .reject_to_dlx(m::REASON_REQUEUE_LIMIT, &error, state, message_id)
                 .await;
         }
         metrics::counter!(m::MESSAGES_REQUEUED, m::LABEL_QUEUE => self.worker.config.queue.clone(), m::LABEL_REASON => reason)

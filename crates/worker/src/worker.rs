@@ -87,6 +87,41 @@ impl From<TopologyError> for WorkerError {
 
 type TopologyMap = Box<dyn FnOnce(Topology) -> Topology + Send>;
 
+/// How the worker dead-letters a message that cannot succeed.
+///
+/// | | `Reject` (default) | `Annotate` |
+/// |---|---|---|
+/// | how | `basic.reject(requeue = false)`: the broker's DLX moves the message to `Q.dlq` | the worker publishes it to `Q.dlx` (routing key `Q`, mandatory, confirmed), then acks the original |
+/// | what the DLQ copy says | `x-death` (reason `rejected`); a message retried before carries its last retry's error (`x-redeliver-last-error`) | `x-redeliver-dead-letter-reason`, `-error` (the final error and its sources, at most 4 KiB), `-attempts`, `x-redeliver-dead-lettered-at`, `-by` (the connection name), `x-redeliver-first-failed-at`; no `x-death` |
+/// | the final error | in the log line, the metric's `reason` and the delivery's span | on the message too |
+/// | cost | one frame | one confirmed publish per dead letter |
+/// | if `Q.dlq` is missing | a quorum `Q` keeps the message (at-least-once); a classic one drops it | the publish comes back unroutable: the original is requeued (bounded by [`WorkerBuilder::requeue_limit`], then rejected) |
+///
+/// In both modes, messages the broker dead-letters itself (delivery limit, TTL, overflow) carry
+/// the broker's `x-death`, and body and properties are kept (a dead letter drops `expiration`,
+/// kept in `x-redeliver-original-expiration`, so it cannot expire in the DLQ).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum DeadLetterMode {
+    /// The broker-native way: `basic.reject(requeue = false)`.
+    #[default]
+    Reject,
+    /// Spring's republish-to-DLQ: the worker publishes the dead letter with its reason and error.
+    Annotate,
+}
+
+impl std::str::FromStr for DeadLetterMode {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "reject" => Ok(Self::Reject),
+            "annotate" => Ok(Self::Annotate),
+            _ => Err("expected `reject` or `annotate`".into()),
+        }
+    }
+}
+
 /// Configures a [`Worker`]. Start with [`Worker::builder`].
 ///
 /// Required: a queue ([`queue`](Self::queue) or [`topology`](Self::topology)) and a handler
@@ -112,6 +147,7 @@ pub struct WorkerBuilder {
     requeue_limit: u32,
     max_message_size: Option<usize>,
     tls: TlsConfig,
+    dead_letter_mode: DeadLetterMode,
     status: StatusSender,
 }
 
@@ -155,6 +191,7 @@ impl WorkerBuilder {
             requeue_limit: crate::requeue::DEFAULT_REQUEUE_LIMIT,
             max_message_size: None,
             tls: TlsConfig::new(),
+            dead_letter_mode: DeadLetterMode::Reject,
             status: StatusSender::new(),
         }
     }
@@ -350,6 +387,21 @@ impl WorkerBuilder {
         self
     }
 
+    /// How messages that cannot succeed reach `Q.dlq`. Default: [`DeadLetterMode::Reject`]; see
+    /// the modes' trade-offs there.
+    ///
+    /// ```
+    /// use redeliver_worker::{DeadLetterMode, Worker};
+    /// let builder = Worker::builder("amqp://127.0.0.1:5672/%2f")
+    ///     .queue("images")
+    ///     .dead_letter_mode(DeadLetterMode::Annotate);
+    /// # let _ = builder;
+    /// ```
+    pub fn dead_letter_mode(mut self, mode: DeadLetterMode) -> Self {
+        self.dead_letter_mode = mode;
+        self
+    }
+
     /// TLS settings for `amqps://` URLs: a CA bundle, a client certificate for mutual TLS, SASL
     /// EXTERNAL. Default: the system's root certificates, password login. The broker's
     /// certificate is always verified, its host name included. See [`TlsConfig`].
@@ -448,6 +500,7 @@ impl WorkerBuilder {
                 requeue_limit: self.requeue_limit,
                 max_message_size: self.max_message_size,
                 tls: self.tls,
+                dead_letter_mode: self.dead_letter_mode,
             }),
             status: self.status,
         })
@@ -483,6 +536,7 @@ pub(crate) struct Config {
     pub(crate) requeue_limit: u32,
     pub(crate) max_message_size: Option<usize>,
     pub(crate) tls: TlsConfig,
+    pub(crate) dead_letter_mode: DeadLetterMode,
 }
 
 /// State that outlives one connection: the concurrency limit and the in-flight tasks belong to the
