@@ -846,16 +846,20 @@ impl DeliveryTask {
         message_id: &str,
     ) -> &'static str {
         let key = crate::requeue::identity(&self.delivery);
+        // A poisoned lock still holds good counts; losing them would unbound the requeues.
         let count = self
             .worker
             .requeues
             .lock()
-            .map_or(1, |mut ledger| ledger.record(key));
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .record(key);
         let limit = self.worker.config.requeue_limit;
         if count > limit && may_dead_letter {
-            if let Ok(mut ledger) = self.worker.requeues.lock() {
-                ledger.forget(key);
-            }
+            self.worker
+                .requeues
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .forget(key);
             error!(message_id = %message_id, requeues = count - 1, limit, "requeue limit reached: dead-lettering the message instead");
             let error = format!("{reason} {} times, last: {cause}", count - 1);
             // Rejected whatever the mode: publishing is what keeps failing.
@@ -874,9 +878,11 @@ impl DeliveryTask {
 
     /// The message's replacement copy is confirmed: its earlier requeues no longer count.
     fn forget_requeues(&self) {
-        if let Ok(mut ledger) = self.worker.requeues.lock() {
-            ledger.settled(&self.delivery);
-        }
+        self.worker
+            .requeues
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .settled(&self.delivery);
     }
 
     /// Gives the delivery back to the queue after [`REQUEUE_PAUSE`].
