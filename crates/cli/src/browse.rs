@@ -21,6 +21,7 @@ use lapin::types::FieldTable;
 use lapin::{Channel, Connection, Consumer, ErrorKind};
 
 use crate::errors::QueueMissing;
+use crate::output;
 
 /// How long to wait for the next delivery before concluding the broker has no more for us
 /// (someone else consumed them, or the queue shrank since the count). Deliveries of ready
@@ -144,18 +145,6 @@ impl Reader {
         }
     }
 
-    /// Reads up to `n` deliveries.
-    pub async fn take(&mut self, n: usize, idle: Duration) -> anyhow::Result<Vec<Delivery>> {
-        let mut out = Vec::with_capacity(n.min(4096));
-        while out.len() < n {
-            match self.next(idle).await? {
-                Some(d) => out.push(d),
-                None => break,
-            }
-        }
-        Ok(out)
-    }
-
     /// Closes the channel: the broker requeues every unacknowledged delivery in its original
     /// position. Waits for close-ok so the messages are back before the command exits.
     pub async fn close(self) -> anyhow::Result<()> {
@@ -172,24 +161,86 @@ impl Reader {
     }
 }
 
+/// What a [`scan`] saw.
+#[derive(Clone, Copy, Debug)]
+pub struct Scanned {
+    /// The queue's counts when the scan started.
+    pub counts: QueueCounts,
+    /// How many messages the scan meant to read: the ready count, at most the limit.
+    pub expected: u32,
+    /// How many it read. Fewer than `expected` when another consumer took some, or the queue
+    /// shrank, while it ran.
+    pub read: u32,
+}
+
+impl Scanned {
+    /// The stderr note for a scan that read fewer messages than it expected; None when complete.
+    pub fn shortfall_note(&self, queue: &str) -> Option<String> {
+        (self.read < self.expected).then(|| {
+            format!(
+                "note: the broker handed out {} of the {} expected messages within {}s (another \
+                 consumer on '{queue}'?)",
+                self.read,
+                self.expected,
+                IDLE.as_secs()
+            )
+        })
+    }
+}
+
+/// Reads up to `limit` messages of `queue` from the head, hands each to `each` in queue order,
+/// and puts them all back, in order, by closing the channel. The scan keeps no message after
+/// `each` returns, so counting a large queue does not hold all of it in memory (lapin still
+/// buffers what the broker sends ahead of the reader). A progress bar (`what`) shows on a
+/// terminal.
+pub async fn scan(
+    conn: &Connection,
+    queue: &str,
+    limit: u32,
+    what: &str,
+    mut each: impl FnMut(Delivery),
+) -> anyhow::Result<Scanned> {
+    let counts = require_queue(conn, queue).await?;
+    let expected = counts.messages.min(limit);
+    let mut scanned = Scanned {
+        counts,
+        expected,
+        read: 0,
+    };
+    if expected == 0 {
+        return Ok(scanned);
+    }
+    let bar = output::progress(u64::from(expected), what);
+    let mut reader = Reader::open(conn, queue, expected).await?;
+    let got = async {
+        while scanned.read < expected {
+            let Some(d) = reader.next(IDLE).await? else {
+                break;
+            };
+            scanned.read += 1;
+            bar.inc(1);
+            each(d);
+        }
+        anyhow::Ok(())
+    }
+    .await;
+    bar.finish_and_clear();
+    // Close even when reading failed, so the messages go back now rather than at disconnect.
+    let closed = reader.close().await;
+    got?;
+    closed?;
+    Ok(scanned)
+}
+
 /// Reads up to `limit` messages of `queue` and puts them all back, in order.
-/// Returns the ready count at the start and the deliveries (their ackers are dead once this
-/// returns: nothing can acknowledge them by accident).
+/// Returns what the scan saw and the deliveries (their ackers are dead once this returns:
+/// nothing can acknowledge them by accident).
 pub async fn snapshot(
     conn: &Connection,
     queue: &str,
     limit: u32,
-) -> anyhow::Result<(QueueCounts, Vec<Delivery>)> {
-    let counts = require_queue(conn, queue).await?;
-    let want = counts.messages.min(limit);
-    if want == 0 {
-        return Ok((counts, Vec::new()));
-    }
-    let mut reader = Reader::open(conn, queue, want).await?;
-    let got = reader.take(want as usize, IDLE).await;
-    // Close even when reading failed, so the messages go back now rather than at disconnect.
-    let closed = reader.close().await;
-    let got = got?;
-    closed?;
-    Ok((counts, got))
+) -> anyhow::Result<(Scanned, Vec<Delivery>)> {
+    let mut got = Vec::new();
+    let scanned = scan(conn, queue, limit, "reading", |d| got.push(d)).await?;
+    Ok((scanned, got))
 }

@@ -3,7 +3,7 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use clap::{Args, Parser, Subcommand};
+use clap::{Args, Parser, Subcommand, ValueEnum};
 
 /// RabbitMQ's out-of-the-box account on the local machine. This is a public, documented default,
 /// not a secret; any password given with `--url`/`AMQP_URL` is never printed.
@@ -25,6 +25,34 @@ declared otherwise) and drops a message that reaches it when it has no dead-lett
 the parking queue and a quorum Q.dlq are therefore declared with x-delivery-limit 2147483647, \
 which no listing can reach (a classic Q.dlq has no limit at all). Messages published while the \
 listing runs are not shown.";
+
+/// What --json promises, shared by the long help of every command that has it.
+pub const JSON_OUTPUT: &str = "\
+With --json, stdout holds exactly one JSON document and nothing else: progress bars, notes and \
+errors go to stderr, and a failure still sets the exit code. The keys are a stable interface \
+for scripts: keys may be added, existing ones keep their name and meaning.";
+
+/// Where the triage fields come from, shared by `dlq list`, `dlq stats` and the selections.
+pub const TRIAGE_FIELDS: &str = "\
+Why a message died (REASON, JSON \"reason\"): the worker's annotation \
+(x-redeliver-dead-letter-reason: permanent, retries_exhausted, budget_exhausted, undecodable, \
+too_large, requeue_limit) when it published the dead letter itself, else the broker's x-death \
+reason (rejected, expired, maxlen, delivery_limit), else none. Its final error (ERROR, \
+\"final_error\"): the annotation's error, else the last retry's error \
+(x-redeliver-last-error). When it died (DEAD_LETTERED_AT, \"dead_lettered_at\"): the \
+annotation's time, else the broker's x-death time.";
+
+/// How --reason, --error-contains, --older-than and --message-id select, for `replay`/`purge`.
+pub const SELECTION: &str = "\
+Selection: --reason R takes the messages whose reason is exactly R (as `dlq list` shows it); \
+--error-contains TEXT those whose final error contains TEXT (case-sensitive); --older-than \
+DURATION those dead-lettered at least that long ago (30m, 12h, 7d; a message whose time is \
+unknown never matches); --message-id ID (repeatable) those with one of these ids. Given \
+together, the criteria must all hold (AND). A --message-id that is not found makes the exit \
+code 1 after the rest was done, so a typo does not look like success.";
+
+/// Help heading of the selection options of `dlq replay` and `dlq purge`.
+const SELECTION_HEADING: &str = "Selection (criteria combine with AND)";
 
 /// Help heading of the TLS options.
 const TLS_HEADING: &str =
@@ -144,7 +172,7 @@ pub enum Command {
     /// Declare, verify or show the objects of one consumer queue (Q, Q.dlx, Q.dlq, delay levels)
     #[command(subcommand)]
     Topology(TopologyCmd),
-    /// Inspect and repair a dead-letter queue (Q.dlq): list, peek, replay, purge
+    /// Inspect and repair a dead-letter queue (Q.dlq): list, stats, peek, replay, purge
     #[command(subcommand)]
     Dlq(DlqCmd),
     /// Inspect and replay the delay infrastructure's parking queue ({prefix}redeliver.delay.unroutable)
@@ -159,26 +187,41 @@ pub enum Command {
 pub enum TopologyCmd {
     /// Declare Q, Q.dlx, Q.dlq and the delay infrastructure (idempotent)
     #[command(
-        long_about = "Declare everything one consumer needs: the queue Q (quorum unless \
+        long_about = format!("Declare everything one consumer needs: the queue Q (quorum unless \
 --classic) with its dead-letter exchange Q.dlx and dead-letter queue Q.dlq, the binding of Q on \
 the delay deliver exchange, and the shared delay infrastructure (levels, deliver exchange, \
 unroutable parking queue). Declaring is idempotent; an existing object with different \
-arguments is reported with the object and argument named, and nothing is changed."
-    )]
-    Declare(TopologyArgs),
+arguments is reported with the object and argument named, and nothing is changed.\n\n--json \
+prints {{\"declared\": true, \"queue\", \"queue_type\", \"dlx\", \"dlq\", \"dlq_type\", \
+\"delay\": {{\"prefix\", \"levels\", \"granularity_ms\", \"queue_type\"}}}}. {JSON_OUTPUT}"
+    ))]
+    Declare(TopologyCmdArgs),
     /// Check that every object exists (passive declares only; creates nothing)
-    Verify(TopologyArgs),
+    #[command(long_about = format!("Check that every object of the topology exists (passive \
+declares only; creates nothing). A missing object or one declared with other arguments is \
+named, with the command that fixes it, and the exit code is 1.\n\n--json prints {{\"ok\": \
+true, \"queue\", \"queue_type\", \"dlx\", \"dlq\", \"dlq_type\", \"delay\": \
+{{\"prefix\", \"levels\", \"granularity_ms\", \"queue_type\"}}}} when everything is in place \
+(nothing on stdout otherwise). {JSON_OUTPUT}"))]
+    Verify(TopologyCmdArgs),
     /// Print every object with its arguments and live message counts; missing ones are marked
     #[command(
-        long_about = "Print every object of the topology: Q, Q.dlx, Q.dlq, each delay \
+        long_about = format!("Print every object of the topology: Q, Q.dlx, Q.dlq, each delay \
 level (exchange and queue), the deliver exchange and the unroutable parking exchange and queue. \
 Each row shows whether the object exists, the live message and consumer counts of queues \
 (from a passive declare, which creates nothing) and the arguments redeliver declares it with. \
 AMQP cannot read back an existing object's arguments; `topology verify` and `topology declare` \
-report a mismatch."
-    )]
-    Show(ShowArgs),
+report a mismatch.\n\n--json prints {{\"objects\": [{{\"kind\", \"name\", \"exists\", \
+\"messages\", \"consumers\", \"arguments\"}}], \"bindings\": [{{\"source\", \
+\"destination\", \"routing_key\"}}]}}. {JSON_OUTPUT}"
+    ))]
+    Show(TopologyCmdArgs),
     /// Delete Q, Q.dlx and Q.dlq (and, with --include-delay, the shared delay infrastructure)
+    #[command(long_about = format!("Delete Q, Q.dlx and Q.dlq, and with --include-delay the \
+delay levels, deliver exchange and unroutable parking queue of the prefix (shared by every \
+consumer that uses it). Requires --yes: deleting a queue destroys its messages.\n\n--json \
+prints {{\"deleted\": true, \"queue\", \"dlx\", \"dlq\", \"delay_deleted\", \"delay\" \
+(as in `topology declare --json`, null without --include-delay)}}. {JSON_OUTPUT}"))]
     Delete(DeleteArgs),
 }
 
@@ -222,12 +265,12 @@ pub struct TopologyArgs {
     pub delay: DelayArgs,
 }
 
-/// `topology show` takes the topology options plus an output format.
+/// `topology declare|verify|show` take the topology options plus an output format.
 #[derive(Args, Debug, Clone)]
-pub struct ShowArgs {
+pub struct TopologyCmdArgs {
     #[command(flatten)]
     pub topology: TopologyArgs,
-    /// Print JSON instead of a table
+    /// Print JSON instead of text (one document on stdout; keys in the long help)
     #[arg(long)]
     pub json: bool,
 }
@@ -249,6 +292,9 @@ pub struct DeleteArgs {
     /// Confirm: deleting queues destroys their messages
     #[arg(long)]
     pub yes: bool,
+    /// Print JSON instead of text (one document on stdout; keys in the long help)
+    #[arg(long)]
+    pub json: bool,
 }
 
 /// Shape of the shared delay infrastructure. Only needed when it differs from the defaults.
@@ -278,11 +324,30 @@ pub struct QueueArgs {
 
 #[derive(Subcommand, Debug)]
 pub enum DlqCmd {
-    /// Table of dead-lettered messages, without removing them
+    /// Table of dead-lettered messages, or counts per reason or error, without removing them
     #[command(long_about = format!("List dead-lettered messages of QUEUE.dlq, oldest first, \
-without removing them: position, message_id, first failure time, attempts, x-death reason and \
-count, last error and a body preview. --json prints the same as a JSON array for scripts.\n\n{LISTING_METHOD}"))]
+without removing them: position, message_id, when it was dead-lettered, attempts (retries \
+made), reason, x-death count, final error and a body preview.\n\n{TRIAGE_FIELDS}\n\n\
+--group-by reason|error counts the messages read (the same --limit applies) per distinct \
+reason or final error instead, most frequent first; messages without one are counted under \
+(none).\n\n--json prints a JSON array with one object per message (keys position, \
+message_id, correlation_id, content_type, timestamp, exchange, routing_key, redelivered, \
+first_failed_at, attempts, last_error, original_exchange, original_routing_key, death_reason, \
+death_count, x_death, reason, final_error, dead_lettered_at, dead_letter_attempts, \
+dead_lettered_by, delivery_count, body_bytes, body_preview); with --group-by, \
+[{{\"reason\": R, \"count\": N}}] or [{{\"error\": E, \"count\": N}}], null for none. \
+{JSON_OUTPUT}\n\n{LISTING_METHOD}"))]
     List(ListArgs),
+    /// Counts of QUEUE.dlq: ready, per reason, oldest and newest dead letter, body bytes
+    #[command(long_about = format!("Summarise QUEUE.dlq without removing anything: the \
+messages ready, how many were read, the count per reason (most frequent first), the oldest and \
+newest dead-lettering time and the total size of the bodies read. Up to --limit messages are \
+read (by default as many as one read can hold, 65535); when the queue holds more, the figures \
+cover its head and say so.\n\n{TRIAGE_FIELDS}\n\n--json prints {{\"queue\", \"ready\", \
+\"read\", \"by_reason\": [{{\"reason\", \"count\"}}], \"oldest_dead_lettered_at\", \
+\"newest_dead_lettered_at\", \"undated\" (messages read without a known time), \
+\"body_bytes\", \"read_at\"}}. {JSON_OUTPUT}\n\n{LISTING_METHOD}"))]
+    Stats(StatsArgs),
     /// Print one dead-lettered message in full (properties, headers, body)
     #[command(long_about = format!("Print one message of QUEUE.dlq in full: delivery info, every \
 property, every header (x-death included) and the body, pretty-printed when it is JSON, as text \
@@ -290,7 +355,7 @@ when it is UTF-8, as a hex dump otherwise. The queue is read without removing an
     Peek(PeekArgs),
     /// Move messages back to QUEUE with their attempt count reset
     #[command(
-        long_about = "Move messages from QUEUE.dlq back to QUEUE, oldest first. Each copy \
+        long_about = format!("Move messages from QUEUE.dlq back to QUEUE, oldest first. Each copy \
 keeps the body, message_id, content_type, correlation_id, the other properties and the user \
 headers; the x-redeliver-* headers (attempt count, first failure, last error) and the broker's \
 x-death / x-first-death-* / x-last-death-* / x-delivery-count headers are removed, so the \
@@ -298,25 +363,94 @@ handler sees a fresh message. user_id is dropped (the broker refuses one that is
 connection's user). Each copy is published to QUEUE through the default exchange with a \
 publisher confirm, and only after the broker confirmed it is the DLQ copy acknowledged: an \
 interruption never loses a message; at worst one message is in both queues (a duplicate, which \
-the message_id lets a handler detect). Messages that are not selected (--message-id, --limit) \
-stay in the DLQ in their order. Messages dead-lettered again while the replay runs are not \
-replayed a second time. Ctrl-C stops after the message in progress."
-    )]
+the message_id lets a handler detect). Messages that are not selected (see below, and \
+--limit, which caps how many selected messages move) stay in the DLQ in their order. Messages \
+dead-lettered again while the replay runs are not replayed a second time. Ctrl-C stops after \
+the message in progress.\n\n{SELECTION} Example: `redeliver dlq replay images --reason \
+retries_exhausted --error-contains timeout`.\n\n--json prints {{\"queue\", \
+\"destination\", \"dry_run\", \"moved\", \"examined\", \"messages\": [{{\"position\", \
+\"message_id\", \"destination\"}}], \"skipped\": [{{\"position\", \"message_id\", \
+\"error\"}}], \"missing_message_ids\", \"interrupted\"}}, also when the exit code is 1. \
+{JSON_OUTPUT}"
+    ))]
     Replay(ReplayArgs),
-    /// Delete every message of QUEUE.dlq (requires --yes)
+    /// Delete every message of QUEUE.dlq, or only the selected ones (requires --yes)
+    #[command(long_about = format!("Delete messages of QUEUE.dlq for good; requires --yes. \
+Without a selection every message is deleted (queue.purge). With one, only the matching \
+messages are: the queue is read as by `dlq list`, each match is acknowledged (which deletes \
+it) and every other message goes back to its original position, in order, when the channel \
+closes. One run looks past at most 65535 messages it keeps (the largest prefetch AMQP can \
+express) and says when some were not examined.\n\n{SELECTION} Example: `redeliver dlq purge \
+images --reason undecodable --older-than 7d --yes`.\n\n--json prints {{\"queue\", \
+\"purged\", \"kept\", \"not_examined\", \"selection\" (the criteria, null without), \
+\"missing_message_ids\"}}. {JSON_OUTPUT}"))]
     Purge(PurgeArgs),
+}
+
+/// What `dlq list --group-by` counts by.
+#[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GroupBy {
+    /// The reason the message died
+    Reason,
+    /// The final error
+    Error,
 }
 
 #[derive(Args, Debug, Clone)]
 pub struct ListArgs {
     #[command(flatten)]
     pub queue: QueueArgs,
-    /// Show at most N messages from the head of the queue
+    /// Show (or, with --group-by, count) at most N messages from the head of the queue
     #[arg(long, default_value_t = 100, value_name = "N", value_parser = clap::value_parser!(u32).range(1..=65535))]
     pub limit: u32,
-    /// Print a JSON array instead of a table
+    /// Count the messages per distinct reason or final error instead of listing them
+    #[arg(long, value_enum, value_name = "FIELD")]
+    pub group_by: Option<GroupBy>,
+    /// Print JSON instead of a table
     #[arg(long)]
     pub json: bool,
+}
+
+#[derive(Args, Debug, Clone)]
+pub struct StatsArgs {
+    #[command(flatten)]
+    pub queue: QueueArgs,
+    /// Read at most N messages from the head of the queue
+    #[arg(long, default_value_t = 65535, value_name = "N", value_parser = clap::value_parser!(u32).range(1..=65535))]
+    pub limit: u32,
+    /// Print JSON instead of text
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// Which dead letters `dlq replay` and `dlq purge` act on.
+#[derive(Args, Debug, Clone, Default)]
+pub struct FilterArgs {
+    /// Only messages with this reason, as `dlq list` shows it (permanent, retries_exhausted,
+    /// rejected, ...)
+    #[arg(long, value_name = "REASON", help_heading = SELECTION_HEADING,
+          value_parser = clap::builder::NonEmptyStringValueParser::new())]
+    pub reason: Option<String>,
+    /// Only messages whose final error contains TEXT (case-sensitive)
+    #[arg(long, value_name = "TEXT", help_heading = SELECTION_HEADING,
+          value_parser = clap::builder::NonEmptyStringValueParser::new())]
+    pub error_contains: Option<String>,
+    /// Only messages dead-lettered at least this long ago, e.g. 30m or 7d (unknown time: no match)
+    #[arg(long, value_parser = parse_duration, value_name = "DURATION", help_heading = SELECTION_HEADING)]
+    pub older_than: Option<Duration>,
+    /// Only the messages with this message_id (repeatable: any of them)
+    #[arg(long = "message-id", value_name = "ID", help_heading = SELECTION_HEADING)]
+    pub message_ids: Vec<String>,
+}
+
+impl FilterArgs {
+    /// True when any criterion is given.
+    pub fn any(&self) -> bool {
+        self.reason.is_some()
+            || self.error_contains.is_some()
+            || self.older_than.is_some()
+            || !self.message_ids.is_empty()
+    }
 }
 
 #[derive(Args, Debug, Clone)]
@@ -335,24 +469,31 @@ pub struct PeekArgs {
 pub struct ReplayArgs {
     #[command(flatten)]
     pub queue: QueueArgs,
-    /// Move at most N messages
+    /// Move at most N (selected) messages
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..))]
     pub limit: Option<u64>,
-    /// Move only the messages with this message_id (repeatable)
-    #[arg(long = "message-id", value_name = "ID")]
-    pub message_ids: Vec<String>,
+    #[command(flatten)]
+    pub filter: FilterArgs,
     /// Print what would move and change nothing
     #[arg(long)]
     pub dry_run: bool,
+    /// Print a JSON report instead of text
+    #[arg(long)]
+    pub json: bool,
 }
 
 #[derive(Args, Debug, Clone)]
 pub struct PurgeArgs {
     #[command(flatten)]
     pub queue: QueueArgs,
+    #[command(flatten)]
+    pub filter: FilterArgs,
     /// Confirm: the messages are deleted for good
     #[arg(long)]
     pub yes: bool,
+    /// Print a JSON report instead of text
+    #[arg(long)]
+    pub json: bool,
 }
 
 /// The parking queue is shared by every consumer of a prefix, so these commands take no QUEUE;
@@ -382,17 +523,22 @@ routing key: its first L words are the delay bits, the rest is the destination q
     Peek(UnroutablePeekArgs),
     /// Publish parked messages straight to their destination queue (or --to)
     #[command(
-        long_about = "Publish parked messages straight to their destination queue through \
+        long_about = format!("Publish parked messages straight to their destination queue through \
 the default exchange (the delay they were waiting for is not applied again: it has long elapsed \
 while they were parked). Unlike `dlq replay`, the x-redeliver-* headers are KEPT: these messages \
 were in the middle of a retry, and their attempt count still counts toward max_retries. The \
 broker's x-death headers from the delay hops are removed. The destination is the routing key \
 minus its first L (delay bit) words, or --to. A message whose destination does not exist (the \
 broker returns it) or cannot be read stays parked and is reported; the exit code is then 1. \
-Each copy is confirmed by the broker before the parked copy is acknowledged."
-    )]
+Each copy is confirmed by the broker before the parked copy is acknowledged.\n\n--json prints \
+the report of `dlq replay --json`. {JSON_OUTPUT}"
+    ))]
     Replay(UnroutableReplayArgs),
-    /// Delete every parked message (requires --yes)
+    /// Delete every parked message, or with --queue those for one destination (requires --yes)
+    #[command(long_about = format!("Delete parked messages for good; requires --yes. Without \
+--queue every message is deleted; with --queue only those whose destination is that queue, the \
+others go back in their order.\n\n--json prints {{\"queue\", \"purged\", \"kept\", \
+\"not_examined\", \"selection\", \"missing_message_ids\"}}. {JSON_OUTPUT}"))]
     Purge(UnroutablePurgeArgs),
 }
 
@@ -436,6 +582,9 @@ pub struct UnroutableReplayArgs {
     /// Print what would move and change nothing
     #[arg(long)]
     pub dry_run: bool,
+    /// Print a JSON report instead of text
+    #[arg(long)]
+    pub json: bool,
 }
 
 #[derive(Args, Debug, Clone)]
@@ -445,19 +594,25 @@ pub struct UnroutablePurgeArgs {
     /// Confirm: the messages are deleted for good
     #[arg(long)]
     pub yes: bool,
+    /// Print a JSON report instead of text
+    #[arg(long)]
+    pub json: bool,
 }
 
 #[derive(Subcommand, Debug)]
 pub enum DelayCmd {
     /// Send probes through the delay levels and print observed vs intended delay
     #[command(
-        long_about = "Operator self-test of the delay infrastructure: declares a temporary \
-exclusive probe queue bound to {prefix}redeliver.delay.deliver, publishes one probe per delay \
+        long_about = format!("Operator self-test of the delay infrastructure: declares a temporary \
+exclusive probe queue bound to {{prefix}}redeliver.delay.deliver, publishes one probe per delay \
 through the levels (with publisher confirms), and prints for each the intended delay, the delay \
 the levels can represent (rounded up to the granularity), the observed delay and the error. The \
 probe queue is deleted at the end. The delay infrastructure must exist (`redeliver topology \
-declare`). Exit code 1 if a probe does not arrive within the longest delay plus --grace."
-    )]
+declare`). Exit code 1 if a probe does not arrive within the longest delay plus --grace.\n\n\
+--json prints {{\"probes\": [{{\"intended_ms\", \"routed_ms\", \"observed_ms\", \
+\"error_ms\", \"status\" (ok, lost or not_sent), \"error\"}}], \"lost\", \"not_sent\"}}, \
+also when the exit code is 1. {JSON_OUTPUT}"
+    ))]
     Probe(ProbeArgs),
 }
 
@@ -474,6 +629,9 @@ pub struct ProbeArgs {
     pub grace: Duration,
     #[command(flatten)]
     pub delay: DelayArgs,
+    /// Print JSON instead of a table
+    #[arg(long)]
+    pub json: bool,
 }
 
 /// Accepts humantime durations ("250ms", "1m 30s", "14d").

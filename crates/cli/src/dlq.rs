@@ -1,20 +1,24 @@
-//! `dlq list|peek|replay|purge` and the same operations on the unroutable parking queue.
+//! `dlq list|peek|replay|purge` and the same operations on the unroutable parking queue
+//! (`dlq list --group-by` and `dlq stats` are in [`crate::triage`]).
 //!
 //! Both kinds of queue are read with [`crate::browse::Reader`], so a listing never reorders or
 //! drops anything, and a replay acknowledges a message only after its copy is confirmed.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
+use std::time::SystemTime;
 
 use anyhow::Context as _;
 use lapin::options::{BasicAckOptions, QueuePurgeOptions};
 use lapin::Connection;
 use redeliver_amqp::delay::DelayConfig;
 use redeliver_amqp::publisher::{PublishError, Publisher};
+use serde::Serialize;
 
 use crate::browse::{self, Reader, IDLE, MAX_PREFETCH};
 use crate::message::{self, Summary};
 use crate::output;
+use crate::select::Filter;
 
 /// Which queue a command reads, and what its messages are.
 #[derive(Clone, Debug)]
@@ -31,14 +35,14 @@ pub enum Source {
 }
 
 impl Source {
-    fn queue(&self) -> &str {
+    pub fn queue(&self) -> &str {
         match self {
             Source::Dlq { dlq, .. } => dlq,
             Source::Unroutable { queue, .. } => queue,
         }
     }
 
-    fn summarize(&self, position: usize, d: &lapin::message::Delivery) -> Summary {
+    pub fn summarize(&self, position: usize, d: &lapin::message::Delivery) -> Summary {
         match self {
             Source::Dlq { home, .. } => message::summarize(position, d, Some(home), None),
             Source::Unroutable { levels, .. } => {
@@ -48,53 +52,56 @@ impl Source {
     }
 
     /// False for messages excluded by `--queue` on the parking queue.
-    fn wanted(&self, s: &Summary) -> bool {
+    pub fn wanted(&self, s: &Summary) -> bool {
         match self {
             Source::Unroutable { only: Some(q), .. } => s.destination.as_deref() == Some(q),
             _ => true,
         }
+    }
+
+    /// `--queue Q` of the parking queue, as reports quote it.
+    fn selection(&self) -> Option<String> {
+        match self {
+            Source::Unroutable { only: Some(q), .. } => Some(format!("--queue {q}")),
+            _ => None,
+        }
+    }
+
+    fn is_parked(&self) -> bool {
+        matches!(self, Source::Unroutable { .. })
     }
 }
 
 /// `list`: prints a table (or JSON array) of up to `limit` messages from the head.
 pub async fn list(conn: &Connection, src: &Source, limit: u32, json: bool) -> anyhow::Result<()> {
     let queue = src.queue();
-    let (counts, deliveries) = browse::snapshot(conn, queue, limit).await?;
+    let (scanned, deliveries) = browse::snapshot(conn, queue, limit).await?;
     let rows: Vec<Summary> = deliveries
         .iter()
         .enumerate()
         .map(|(i, d)| src.summarize(i + 1, d))
         .filter(|s| src.wanted(s))
         .collect();
+    let note = scanned.shortfall_note(queue);
     if json {
-        println!(
-            "{}",
-            serde_json::to_string_pretty(&rows).context("cannot encode the listing as JSON")?
-        );
-        return Ok(());
+        if let Some(note) = note {
+            eprintln!("{note}");
+        }
+        return output::print_json(&rows, "the listing");
     }
-    if counts.messages == 0 {
+    if scanned.counts.messages == 0 {
         println!("'{queue}' is empty");
         return Ok(());
     }
     println!(
         "'{queue}': {} message(s) ready, showing {} from the head (read at {}, nothing removed)",
-        counts.messages,
+        scanned.counts.messages,
         rows.len(),
         message::now_rfc3339()
     );
-    print!(
-        "{}",
-        output::summary_table(&rows, matches!(src, Source::Unroutable { .. }))
-    );
-    if (deliveries.len() as u64) < u64::from(counts.messages.min(limit)) {
-        eprintln!(
-            "note: the broker handed out {} of the {} expected messages within {}s (another \
-             consumer on '{queue}'?)",
-            deliveries.len(),
-            counts.messages.min(limit),
-            IDLE.as_secs()
-        );
+    print!("{}", output::summary_table(&rows, src.is_parked()));
+    if let Some(note) = note {
+        eprintln!("{note}");
     }
     Ok(())
 }
@@ -107,7 +114,7 @@ pub async fn peek(
     json: bool,
 ) -> anyhow::Result<()> {
     let queue = src.queue();
-    let (counts, deliveries) = browse::snapshot(conn, queue, MAX_PREFETCH).await?;
+    let (scanned, deliveries) = browse::snapshot(conn, queue, MAX_PREFETCH).await?;
     let found = deliveries.iter().enumerate().find(|(_, d)| {
         d.properties
             .message_id()
@@ -119,7 +126,7 @@ pub async fn peek(
             "no message with message_id '{message_id}' among the {} message(s) read from \
              '{queue}' ({} ready); list them with `redeliver {} list`",
             deliveries.len(),
-            counts.messages,
+            scanned.counts.messages,
             match src {
                 Source::Dlq { .. } => "dlq",
                 Source::Unroutable { .. } => "unroutable",
@@ -127,11 +134,7 @@ pub async fn peek(
         );
     };
     if json {
-        let v = output::message_json(i + 1, queue, d);
-        println!(
-            "{}",
-            serde_json::to_string_pretty(&v).context("cannot encode the message as JSON")?
-        );
+        output::print_json(&output::message_json(i + 1, queue, d), "the message")?;
     } else {
         print!("{}", output::message_text(i + 1, queue, d));
     }
@@ -141,11 +144,84 @@ pub async fn peek(
 /// What `replay` should move.
 #[derive(Clone, Debug, Default)]
 pub struct Selection {
+    /// At most this many selected messages move.
     pub limit: Option<u64>,
-    pub message_ids: Vec<String>,
+    pub filter: Filter,
     pub dry_run: bool,
     /// Unroutable only: publish everything here instead of the routing key's destination.
     pub to: Option<String>,
+}
+
+/// One message a replay moved (or, in a dry run, would move).
+#[derive(Debug, Serialize)]
+struct Moved {
+    position: usize,
+    message_id: Option<String>,
+    destination: String,
+}
+
+/// One selected message a replay could not move; it stays where it was.
+#[derive(Debug, Serialize)]
+struct Skipped {
+    position: usize,
+    message_id: Option<String>,
+    error: String,
+}
+
+impl Skipped {
+    fn new(summary: &Summary, error: String) -> Self {
+        Self {
+            position: summary.position,
+            message_id: summary.message_id.clone(),
+            error,
+        }
+    }
+
+    /// "#3 message_id m-1: queue 'x' does not exist ...", the stderr line of text mode.
+    fn text(&self) -> String {
+        format!(
+            "{}: {}",
+            label(self.position, self.message_id.as_deref()),
+            self.error
+        )
+    }
+}
+
+fn label(position: usize, id: Option<&str>) -> String {
+    format!("#{position} message_id {}", id.unwrap_or("(none)"))
+}
+
+/// What a replay did. The field names are the keys of `replay --json`.
+#[derive(Debug, Default, Serialize)]
+struct Report {
+    queue: String,
+    /// Where the messages go: Q, --to, or null for the parking queue's own destinations.
+    destination: Option<String>,
+    dry_run: bool,
+    moved: u64,
+    /// Messages looked at (selected or not).
+    examined: u64,
+    messages: Vec<Moved>,
+    skipped: Vec<Skipped>,
+    missing_message_ids: Vec<String>,
+    interrupted: bool,
+    /// Requested message_ids met during the scan, selected by the other criteria or not.
+    #[serde(skip)]
+    seen_ids: Vec<String>,
+}
+
+/// Everything one replay pass needs besides the reader and the report.
+struct Run<'a> {
+    src: &'a Source,
+    sel: &'a Selection,
+    /// Messages to look at: those ready when the replay started (at most --limit unfiltered).
+    scan: u64,
+    limit: u64,
+    publisher: Option<&'a Publisher>,
+    stop: &'a AtomicBool,
+    bar: &'a indicatif::ProgressBar,
+    /// The command's start, the reference of --older-than.
+    now: SystemTime,
 }
 
 /// `replay`. Reads at most the messages that were ready when it started (so messages that a
@@ -158,7 +234,9 @@ pub async fn replay(
     src: &Source,
     sel: &Selection,
     delay: DelayConfig,
+    json: bool,
 ) -> anyhow::Result<()> {
+    let now = SystemTime::now();
     let queue = src.queue().to_owned();
     let counts = browse::require_queue(conn, &queue).await?;
     if let Source::Dlq { home, .. } = src {
@@ -168,8 +246,17 @@ pub async fn replay(
     if let Some(to) = &sel.to {
         browse::require_queue(conn, to).await?;
     }
-    let filtering =
-        !sel.message_ids.is_empty() || matches!(src, Source::Unroutable { only: Some(_), .. });
+    let mut report = Report {
+        queue: queue.clone(),
+        destination: match (src, &sel.to) {
+            (_, Some(to)) => Some(to.clone()),
+            (Source::Dlq { home, .. }, None) => Some(home.clone()),
+            (Source::Unroutable { .. }, None) => None,
+        },
+        dry_run: sel.dry_run,
+        ..Report::default()
+    };
+    let filtering = !sel.filter.is_empty() || src.selection().is_some();
     let limit = sel.limit.unwrap_or(u64::MAX);
     let scan = if filtering {
         u64::from(counts.messages)
@@ -177,8 +264,10 @@ pub async fn replay(
         u64::from(counts.messages).min(limit)
     };
     if scan == 0 {
-        println!("'{queue}' is empty: nothing to replay");
-        return finish_ids(sel, &[]);
+        if !json {
+            println!("'{queue}' is empty: nothing to replay");
+        }
+        return finish_replay(report, &sel.filter, json);
     }
     // Unselected messages stay unacknowledged while we look further, so a filtered replay needs
     // a window as large as the scan; an unfiltered one acknowledges as it goes.
@@ -196,262 +285,356 @@ pub async fn replay(
                 .context("cannot open a confirm-mode channel for publishing")?,
         )
     };
-
-    // Ctrl-C stops between two messages instead of killing the process mid-move (which would
-    // also be safe, at worst a duplicate, but leaves no report).
-    let stop = Arc::new(AtomicBool::new(false));
-    {
-        let stop = stop.clone();
-        tokio::spawn(async move {
-            if tokio::signal::ctrl_c().await.is_ok() {
-                stop.store(true, Ordering::SeqCst);
-            }
-        });
-    }
-
-    // With --message-id the bar counts the requested ids; otherwise the messages scanned.
-    let bar = output::progress(
-        if sel.message_ids.is_empty() {
-            scan.min(limit)
-        } else {
-            sel.message_ids.len() as u64
-        },
-        "replaying",
-    );
-    let mut reader = Reader::open(conn, &queue, prefetch).await?;
-    let mut report = Report::default();
-    let outcome = replay_loop(
-        &mut reader,
+    let stop = stop_on_ctrl_c();
+    let bar = output::progress(scan, "replaying");
+    let run = Run {
         src,
         sel,
         scan,
         limit,
-        publisher.as_ref(),
-        &stop,
-        &bar,
-        &mut report,
-    )
-    .await;
+        publisher: publisher.as_ref(),
+        stop: &stop,
+        bar: &bar,
+        now,
+    };
+    let mut reader = Reader::open(conn, &queue, prefetch).await?;
+    let outcome = replay_loop(&mut reader, &run, &mut report).await;
     bar.finish_and_clear();
     let closed = reader.close().await;
+    if !json {
+        print_replay_text(&report);
+    }
+    // The report is printed even when the replay failed half-way: it says what already moved.
+    if let Err(e) = outcome {
+        if json {
+            report.missing_message_ids = sel.filter.missing_ids(&report.seen_ids);
+            output::print_json(&report, "the replay report")?;
+        }
+        return Err(e);
+    }
+    closed?;
+    finish_replay(report, &sel.filter, json)
+}
 
-    let verb = if sel.dry_run { "would move" } else { "moved" };
-    let dest = match (src, &sel.to) {
-        (_, Some(to)) => format!("'{to}'"),
-        (Source::Dlq { home, .. }, None) => format!("'{home}'"),
-        (Source::Unroutable { .. }, None) => "their destination queues".to_owned(),
+/// Ctrl-C stops between two messages instead of killing the process mid-move (which would
+/// also be safe, at worst a duplicate, but leaves no report).
+fn stop_on_ctrl_c() -> Arc<AtomicBool> {
+    let stop = Arc::new(AtomicBool::new(false));
+    let flag = stop.clone();
+    tokio::spawn(async move {
+        if tokio::signal::ctrl_c().await.is_ok() {
+            flag.store(true, Ordering::SeqCst);
+        }
+    });
+    stop
+}
+
+fn print_replay_text(report: &Report) {
+    if report.dry_run {
+        for m in &report.messages {
+            println!(
+                "would move {} to '{}'",
+                label(m.position, m.message_id.as_deref()),
+                m.destination
+            );
+        }
+    }
+    let verb = if report.dry_run {
+        "would move"
+    } else {
+        "moved"
     };
+    let dest = report.destination.as_ref().map_or_else(
+        || "their destination queues".to_owned(),
+        |d| format!("'{d}'"),
+    );
     println!(
-        "{verb} {} message(s) from '{queue}' to {dest}{}",
+        "{verb} {} message(s) from '{}' to {dest}{}",
         report.moved,
-        if sel.dry_run {
+        report.queue,
+        if report.dry_run {
             " (dry run: nothing changed)"
         } else {
             ""
         }
     );
     if report.interrupted {
-        println!("interrupted: the remaining messages are still in '{queue}'");
-    }
-    for s in &report.skipped {
-        eprintln!("skipped: {s}");
-    }
-    outcome?;
-    closed?;
-    if !report.skipped.is_empty() {
-        anyhow::bail!(
-            "{} message(s) could not be replayed and are still in '{queue}'",
-            report.skipped.len()
+        println!(
+            "interrupted: the remaining messages are still in '{}'",
+            report.queue
         );
     }
-    finish_ids(sel, &report.seen_ids)
-}
-
-/// Requested message ids that were not found make the command fail (exit 1) after the others
-/// were moved: a typo must not look like success.
-fn finish_ids(sel: &Selection, seen: &[String]) -> anyhow::Result<()> {
-    let missing: Vec<&str> = sel
-        .message_ids
-        .iter()
-        .filter(|id| !seen.contains(id))
-        .map(String::as_str)
-        .collect();
-    if missing.is_empty() {
-        Ok(())
-    } else {
-        anyhow::bail!(
-            "no message with message_id {} was found",
-            missing
-                .iter()
-                .map(|m| format!("'{m}'"))
-                .collect::<Vec<_>>()
-                .join(", ")
-        )
+    for s in &report.skipped {
+        eprintln!("skipped: {}", s.text());
     }
 }
 
-#[derive(Default)]
-struct Report {
-    moved: u64,
-    skipped: Vec<String>,
-    seen_ids: Vec<String>,
-    interrupted: bool,
+/// Prints the JSON report (in JSON mode) and turns what went wrong into the exit code: skipped
+/// messages, then requested message ids that were not found (a typo must not look like
+/// success).
+fn finish_replay(mut report: Report, filter: &Filter, json: bool) -> anyhow::Result<()> {
+    report.missing_message_ids = filter.missing_ids(&report.seen_ids);
+    if json {
+        output::print_json(&report, "the replay report")?;
+    }
+    if !report.skipped.is_empty() {
+        anyhow::bail!(
+            "{} message(s) could not be replayed and are still in '{}'",
+            report.skipped.len(),
+            report.queue
+        );
+    }
+    missing_ids_error(&report.missing_message_ids)
 }
 
-#[allow(clippy::too_many_arguments)] // one call site; a struct would only rename the list
+fn missing_ids_error(missing: &[String]) -> anyhow::Result<()> {
+    if missing.is_empty() {
+        return Ok(());
+    }
+    anyhow::bail!(
+        "no message with message_id {} was found",
+        missing
+            .iter()
+            .map(|m| format!("'{m}'"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    )
+}
+
+/// Where a selected message goes and whether its retry state is reset; `Err` is why it cannot
+/// go anywhere.
+fn destination_of(
+    run: &Run<'_>,
+    summary: &Summary,
+    routing_key: &str,
+) -> Result<(String, bool), String> {
+    match (run.src, &run.sel.to) {
+        (Source::Dlq { home, .. }, None) => Ok((home.clone(), true)),
+        (Source::Dlq { .. }, Some(to)) => Ok((to.clone(), true)),
+        (Source::Unroutable { .. }, Some(to)) => Ok((to.clone(), false)),
+        (Source::Unroutable { .. }, None) => summary
+            .destination
+            .clone()
+            .map(|q| (q, false))
+            .ok_or_else(|| {
+                format!("routing key '{routing_key}' names no destination queue; use --to")
+            }),
+    }
+}
+
 async fn replay_loop(
     reader: &mut Reader,
-    src: &Source,
-    sel: &Selection,
-    scan: u64,
-    limit: u64,
-    publisher: Option<&Publisher>,
-    stop: &AtomicBool,
-    bar: &indicatif::ProgressBar,
+    run: &Run<'_>,
     report: &mut Report,
 ) -> anyhow::Result<()> {
-    let queue = src.queue();
-    for position in 1..=scan {
-        if stop.load(Ordering::SeqCst) {
+    for position in 1..=run.scan {
+        if run.stop.load(Ordering::SeqCst) {
             report.interrupted = true;
             break;
         }
-        if report.moved >= limit {
+        if report.moved >= run.limit {
             break;
         }
         let Some(d) = reader.next(IDLE).await? else {
             break;
         };
-        let summary = src.summarize(position as usize, &d);
-        let id = summary.message_id.clone();
-        if !sel.message_ids.is_empty() {
-            match &id {
-                Some(m) if sel.message_ids.contains(m) => report.seen_ids.push(m.clone()),
-                _ => continue,
-            }
+        report.examined += 1;
+        run.bar.inc(1);
+        let summary = run.src.summarize(position as usize, &d);
+        if run.sel.filter.names_id(summary.message_id.as_deref()) {
+            report.seen_ids.extend(summary.message_id.iter().cloned());
         }
-        if !src.wanted(&summary) {
+        if !run.src.wanted(&summary) || !run.sel.filter.matches(&summary, run.now) {
             continue;
         }
-        let label = format!(
-            "#{position} message_id {}",
-            id.as_deref().unwrap_or("(none)")
-        );
-        let (dest, reset) = match (src, &sel.to) {
-            (Source::Dlq { home, .. }, None) => (home.clone(), true),
-            (Source::Dlq { .. }, Some(to)) => (to.clone(), true),
-            (Source::Unroutable { .. }, Some(to)) => (to.clone(), false),
-            (Source::Unroutable { .. }, None) => match summary.destination.clone() {
-                Some(q) => (q, false),
-                None => {
-                    report.skipped.push(format!(
-                        "{label}: routing key '{}' names no destination queue; use --to",
-                        d.routing_key
-                    ));
-                    continue;
-                }
-            },
-        };
-        let Some(publisher) = publisher else {
-            println!("would move {label} to '{dest}'");
-            report.moved += 1;
-            continue;
-        };
-        let props = message::replay_properties(&d.properties, reset);
-        // A copy, not a new message: no message_id is invented for one that had none.
-        match publisher.publish_copy("", &dest, &d.data, props).await {
-            Ok(()) => {}
-            Err(PublishError::Returned { .. }) if matches!(src, Source::Unroutable { .. }) => {
-                report.skipped.push(format!(
-                    "{label}: queue '{dest}' does not exist (the broker returned the copy); \
-                     declare it or use --to"
-                ));
+        let (dest, reset) = match destination_of(run, &summary, d.routing_key.as_str()) {
+            Ok(x) => x,
+            Err(why) => {
+                report.skipped.push(Skipped::new(&summary, why));
                 continue;
             }
-            Err(e) => {
-                return Err(anyhow::Error::new(e).context(format!(
-                    "could not republish {label} to '{dest}'; it is still in '{queue}' and \
-                     {} message(s) were moved before it",
-                    report.moved
-                )));
-            }
-        }
-        // The copy is safe in `dest`; only now may the source copy go.
-        match d.acker.ack(BasicAckOptions::default()).await {
-            Ok(true) => {}
-            Ok(false) => anyhow::bail!(
-                "{label} was published to '{dest}' but the channel on '{queue}' closed before \
-                 its copy there could be acknowledged: it stays in '{queue}' too (a duplicate, \
-                 same message_id)"
-            ),
-            Err(e) => {
-                return Err(anyhow::Error::new(e).context(format!(
-                    "{label} was published to '{dest}' but acknowledging it in '{queue}' failed: \
-                     it stays there too (a duplicate, same message_id)"
-                )));
+        };
+        if let Some(publisher) = run.publisher {
+            if !move_one(publisher, run.src, &d, &summary, &dest, reset, report).await? {
+                continue;
             }
         }
         report.moved += 1;
-        bar.inc(1);
+        report.messages.push(Moved {
+            position: summary.position,
+            message_id: summary.message_id.clone(),
+            destination: dest,
+        });
     }
     Ok(())
 }
 
-/// `purge` with a selection (`unroutable purge --queue Q`): removes only the messages `src`
-/// wants; every other one goes back to the queue in its place when the reader closes.
-pub async fn purge_matching(conn: &Connection, src: &Source) -> anyhow::Result<()> {
+/// Publishes the copy of `d` to `dest`, waits for the broker's confirm, then acknowledges the
+/// source copy. `Ok(false)`: the copy could not go to `dest` for a reason that concerns this
+/// message only (recorded as skipped); `Err`: the replay must stop.
+async fn move_one(
+    publisher: &Publisher,
+    src: &Source,
+    d: &lapin::message::Delivery,
+    summary: &Summary,
+    dest: &str,
+    reset: bool,
+    report: &mut Report,
+) -> anyhow::Result<bool> {
+    let queue = src.queue();
+    let label = label(summary.position, summary.message_id.as_deref());
+    let props = message::replay_properties(&d.properties, reset);
+    // A copy, not a new message: no message_id is invented for one that had none.
+    match publisher.publish_copy("", dest, &d.data, props).await {
+        Ok(()) => {}
+        Err(PublishError::Returned { .. }) if src.is_parked() => {
+            report.skipped.push(Skipped::new(
+                summary,
+                format!(
+                    "queue '{dest}' does not exist (the broker returned the copy); declare it \
+                     or use --to"
+                ),
+            ));
+            return Ok(false);
+        }
+        Err(e) => {
+            return Err(anyhow::Error::new(e).context(format!(
+                "could not republish {label} to '{dest}'; it is still in '{queue}' and {} \
+                 message(s) were moved before it",
+                report.moved
+            )));
+        }
+    }
+    // The copy is safe in `dest`; only now may the source copy go.
+    match d.acker.ack(BasicAckOptions::default()).await {
+        Ok(true) => Ok(true),
+        Ok(false) => anyhow::bail!(
+            "{label} was published to '{dest}' but the channel on '{queue}' closed before its \
+             copy there could be acknowledged: it stays in '{queue}' too (a duplicate, same \
+             message_id)"
+        ),
+        Err(e) => Err(anyhow::Error::new(e).context(format!(
+            "{label} was published to '{dest}' but acknowledging it in '{queue}' failed: it \
+             stays there too (a duplicate, same message_id)"
+        ))),
+    }
+}
+
+/// What a purge did. The field names are the keys of `purge --json`.
+#[derive(Debug, Default, Serialize)]
+pub struct PurgeReport {
+    queue: String,
+    purged: u64,
+    kept: u64,
+    /// Messages a selective purge did not look at (it can look past at most 65535 kept ones).
+    not_examined: u64,
+    /// The criteria as options (`--reason permanent --older-than 7d`); null for a full purge.
+    selection: Option<String>,
+    missing_message_ids: Vec<String>,
+}
+
+impl PurgeReport {
+    fn print_text(&self) {
+        let matching = self
+            .selection
+            .as_ref()
+            .map_or_else(String::new, |s| format!(" matching {s}"));
+        let mut line = format!(
+            "purged {} message(s){matching} from '{}'",
+            self.purged, self.queue
+        );
+        if self.selection.is_some() {
+            line.push_str(&format!(", kept {} in their order", self.kept));
+        }
+        if self.not_examined > 0 {
+            line.push_str(&format!(" ({} not examined: run again)", self.not_examined));
+        }
+        println!("{line}");
+    }
+
+    /// Prints the report, then fails if a requested message_id was not found.
+    fn finish(self, json: bool) -> anyhow::Result<()> {
+        if json {
+            output::print_json(&self, "the purge report")?;
+        } else {
+            self.print_text();
+        }
+        missing_ids_error(&self.missing_message_ids)
+    }
+}
+
+/// A selective purge (`dlq purge` with criteria, `unroutable purge --queue Q`): removes only the
+/// messages that `src` wants and `filter` matches; every other one goes back to the queue in
+/// its place when the reader closes.
+pub async fn purge_matching(
+    conn: &Connection,
+    src: &Source,
+    filter: &Filter,
+    json: bool,
+) -> anyhow::Result<()> {
+    let now = SystemTime::now();
     let queue = src.queue().to_owned();
     let counts = browse::require_queue(conn, &queue).await?;
-    if counts.messages == 0 {
-        println!("'{queue}' is empty: nothing to purge");
-        return Ok(());
-    }
-    let window = counts.messages.min(MAX_PREFETCH);
-    let bar = output::progress(u64::from(counts.messages), "scanning");
-    let mut reader = Reader::open(conn, &queue, window).await?;
-    let (mut purged, mut kept) = (0u64, 0u64);
-    let scanned = async {
-        // Unselected messages stay unacknowledged (they go back on close), so at most `window`
-        // of them can be looked past.
-        while purged + kept < u64::from(counts.messages) && kept < u64::from(window) {
-            let Some(d) = reader.next(IDLE).await? else {
-                break;
-            };
-            let position = (purged + kept + 1) as usize;
-            if src.wanted(&src.summarize(position, &d)) {
-                d.acker
-                    .ack(BasicAckOptions::default())
-                    .await
-                    .with_context(|| format!("cannot remove message #{position} from '{queue}'"))?;
-                purged += 1;
-            } else {
-                kept += 1;
+    let selection = [src.selection(), Some(filter.describe())]
+        .into_iter()
+        .flatten()
+        .filter(|s| !s.is_empty())
+        .collect::<Vec<_>>()
+        .join(" ");
+    let mut report = PurgeReport {
+        queue: queue.clone(),
+        selection: Some(selection),
+        ..PurgeReport::default()
+    };
+    let total = u64::from(counts.messages);
+    let mut seen_ids = Vec::new();
+    if total > 0 {
+        let window = counts.messages.min(MAX_PREFETCH);
+        let bar = output::progress(total, "scanning");
+        let mut reader = Reader::open(conn, &queue, window).await?;
+        let scanned = async {
+            // Unselected messages stay unacknowledged (they go back on close), so at most
+            // `window` of them can be looked past.
+            while report.purged + report.kept < total && report.kept < u64::from(window) {
+                let Some(d) = reader.next(IDLE).await? else {
+                    break;
+                };
+                let position = (report.purged + report.kept + 1) as usize;
+                let s = src.summarize(position, &d);
+                if filter.names_id(s.message_id.as_deref()) {
+                    seen_ids.extend(s.message_id.iter().cloned());
+                }
+                if src.wanted(&s) && filter.matches(&s, now) {
+                    d.acker
+                        .ack(BasicAckOptions::default())
+                        .await
+                        .with_context(|| {
+                            format!("cannot remove message #{position} from '{queue}'")
+                        })?;
+                    report.purged += 1;
+                } else {
+                    report.kept += 1;
+                }
+                bar.inc(1);
             }
-            bar.inc(1);
+            anyhow::Ok(())
         }
-        anyhow::Ok(())
+        .await;
+        bar.finish_and_clear();
+        let closed = reader.close().await;
+        scanned?;
+        closed?;
+    } else if !json {
+        println!("'{queue}' is empty: nothing to purge");
+        return missing_ids_error(&filter.missing_ids(&seen_ids));
     }
-    .await;
-    bar.finish_and_clear();
-    let closed = reader.close().await;
-    scanned?;
-    closed?;
-    println!(
-        "purged {purged} message(s) from '{queue}', kept {kept} in their order{}",
-        if purged + kept < u64::from(counts.messages) {
-            format!(
-                " ({} not examined: run again)",
-                u64::from(counts.messages) - purged - kept
-            )
-        } else {
-            String::new()
-        }
-    );
-    Ok(())
+    report.not_examined = total.saturating_sub(report.purged + report.kept);
+    report.missing_message_ids = filter.missing_ids(&seen_ids);
+    report.finish(json)
 }
 
 /// `purge`: deletes every message of `queue`, printing how many.
-pub async fn purge(conn: &Connection, queue: &str) -> anyhow::Result<()> {
+pub async fn purge(conn: &Connection, queue: &str, json: bool) -> anyhow::Result<()> {
     browse::require_queue(conn, queue).await?;
     let ch = conn
         .create_channel()
@@ -461,7 +644,12 @@ pub async fn purge(conn: &Connection, queue: &str) -> anyhow::Result<()> {
         .queue_purge(queue.into(), QueuePurgeOptions::default())
         .await
         .with_context(|| format!("cannot purge '{queue}'"))?;
+    // Best effort: the channel is done either way and the connection closes soon.
     let _ = ch.close(200, "ok".into()).await;
-    println!("purged {n} message(s) from '{queue}'");
-    Ok(())
+    PurgeReport {
+        queue: queue.to_owned(),
+        purged: u64::from(n),
+        ..PurgeReport::default()
+    }
+    .finish(json)
 }

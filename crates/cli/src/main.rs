@@ -12,7 +12,9 @@ mod errors;
 mod message;
 mod output;
 mod probe;
+mod select;
 mod topology;
+mod triage;
 
 use std::process::ExitCode;
 

@@ -6,7 +6,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use lapin::message::Delivery;
 use lapin::types::{AMQPValue, FieldTable, ShortString};
 use lapin::BasicProperties;
-use redeliver_amqp::headers::{self, RetryState, XDeath};
+use redeliver_amqp::headers::{self, DeadLetterInfo, RetryState, XDeath};
 use serde::Serialize;
 
 /// Headers the broker writes when it dead-letters or redelivers. From RabbitMQ 3.13 the broker
@@ -70,6 +70,21 @@ pub struct Summary {
     pub death_reason: Option<String>,
     pub death_count: Option<u64>,
     pub x_death: Vec<DeathView>,
+    /// Why the message is here: the worker's annotation (`x-redeliver-dead-letter-reason`:
+    /// permanent, retries_exhausted, ...) when it published the dead letter itself, else the
+    /// broker's reason in the relevant x-death entry (rejected, expired, maxlen,
+    /// delivery_limit), else null.
+    pub reason: Option<String>,
+    /// The error that made the message die: the annotation's final error, else the last retry's
+    /// error (`x-redeliver-last-error`), else null.
+    pub final_error: Option<String>,
+    /// When it was dead-lettered (RFC 3339): the annotation's time, else the time of the
+    /// relevant x-death entry, else null.
+    pub dead_lettered_at: Option<String>,
+    /// Annotation only: deliveries the worker handled before it gave up.
+    pub dead_letter_attempts: Option<u64>,
+    /// Annotation only: the connection name of the worker that dead-lettered it.
+    pub dead_lettered_by: Option<String>,
     /// Quorum queues' `x-delivery-count` (how often the broker handed the message out).
     pub delivery_count: Option<i64>,
     /// Unroutable parking queue only: the queue the delayed copy was on its way to.
@@ -94,6 +109,7 @@ pub fn summarize(
     let relevant = source_queue
         .and_then(|q| deaths.iter().find(|x| x.queue == q))
         .or_else(|| deaths.first());
+    let annotation = DeadLetterInfo::read(hdrs);
     let first_failed_at = state.first_failed_at.clone().or_else(|| {
         deaths
             .iter()
@@ -118,12 +134,69 @@ pub fn summarize(
         death_reason: relevant.map(|x| x.reason.clone()),
         death_count: relevant.map(|x| x.count),
         x_death: deaths.iter().map(DeathView::from).collect(),
+        reason: triage_reason(annotation.as_ref(), relevant),
+        final_error: annotation
+            .as_ref()
+            .and_then(|a| a.error.clone())
+            .or_else(|| state.last_error.clone()),
+        dead_lettered_at: annotation
+            .as_ref()
+            .and_then(|a| a.at.clone())
+            .or_else(|| relevant.and_then(|x| x.time).map(unix_to_rfc3339)),
+        dead_letter_attempts: annotation.as_ref().and_then(|a| a.attempts),
+        dead_lettered_by: annotation.as_ref().and_then(|a| a.by.clone()),
         delivery_count: hdrs
             .and_then(|h| h.inner().get(headers::X_DELIVERY_COUNT))
             .and_then(as_i64),
         destination: levels.and_then(|l| destination_from_routing_key(d.routing_key.as_str(), l)),
         body_bytes: d.data.len(),
         body_preview: preview(&d.data, PREVIEW_CHARS),
+    }
+}
+
+/// The worker's own reason wins: it knows why it gave up (retries exhausted, undecodable...),
+/// where the broker only saw a reject. An empty x-death reason (a malformed entry) counts as none.
+fn triage_reason(annotation: Option<&DeadLetterInfo>, relevant: Option<&XDeath>) -> Option<String> {
+    annotation
+        .map(|a| a.reason.clone())
+        .or_else(|| relevant.map(|x| x.reason.clone()).filter(|r| !r.is_empty()))
+}
+
+impl Summary {
+    /// [`Summary::dead_lettered_at`] as a time; `None` when absent or not RFC 3339.
+    pub fn dead_lettered_time(&self) -> Option<SystemTime> {
+        self.dead_lettered_at.as_deref().and_then(parse_rfc3339)
+    }
+}
+
+/// Parses an RFC 3339 time: `2024-05-01T12:00:00Z`, with or without fractional seconds, with
+/// `Z` or a numeric offset (`+02:00`). The worker writes UTC with `Z`, but the header can come
+/// from any publisher, so an offset is honoured rather than misread; anything else is `None`.
+pub fn parse_rfc3339(s: &str) -> Option<SystemTime> {
+    let s = s.trim();
+    if let Some(utc) = s.strip_suffix(['Z', 'z']) {
+        return humantime::parse_rfc3339_weak(utc).ok();
+    }
+    // "...+HH:MM" / "...-HH:MM": the last six characters, after the seconds.
+    let split = s.len().checked_sub(6).filter(|&i| s.is_char_boundary(i))?;
+    let (local, offset) = s.split_at(split);
+    let sign = match offset.as_bytes().first() {
+        Some(b'+') => 1i64,
+        Some(b'-') => -1i64,
+        _ => return humantime::parse_rfc3339_weak(s).ok(),
+    };
+    let (h, m) = offset[1..].split_once(':')?;
+    let (h, m): (u64, u64) = (h.parse().ok()?, m.parse().ok()?);
+    if h > 23 || m > 59 {
+        return None;
+    }
+    let local = humantime::parse_rfc3339_weak(local).ok()?;
+    let shift = Duration::from_secs(h * 3600 + m * 60);
+    // Local time = UTC + offset, so UTC = local - offset.
+    if sign > 0 {
+        local.checked_sub(shift)
+    } else {
+        local.checked_add(shift)
     }
 }
 
@@ -278,6 +351,54 @@ mod tests {
         assert_eq!(destination_from_routing_key("0.1.0", 3), None);
         assert_eq!(destination_from_routing_key("0.1.0.a..b", 3), None);
         assert_eq!(destination_from_routing_key("orders", 3), None);
+    }
+
+    #[test]
+    fn rfc3339_times_parse_with_z_or_offset() {
+        let utc = parse_rfc3339("2024-05-01T12:00:00Z").unwrap();
+        assert_eq!(
+            utc.duration_since(UNIX_EPOCH).unwrap().as_secs(),
+            1_714_564_800
+        );
+        assert_eq!(
+            parse_rfc3339("2024-05-01T12:00:00.250Z").map(|t| t > utc),
+            Some(true)
+        );
+        assert_eq!(parse_rfc3339("2024-05-01T14:00:00+02:00"), Some(utc));
+        assert_eq!(parse_rfc3339("2024-05-01T10:30:00-01:30"), Some(utc));
+        assert_eq!(parse_rfc3339("yesterday"), None);
+        assert_eq!(parse_rfc3339("2024-05-01T14:00:00+2x:00"), None);
+        assert_eq!(parse_rfc3339(""), None);
+    }
+
+    #[test]
+    fn annotation_wins_over_x_death() {
+        let death = XDeath {
+            queue: "q".into(),
+            reason: "rejected".into(),
+            count: 1,
+            exchange: String::new(),
+            routing_keys: Vec::new(),
+            time: Some(1),
+        };
+        let info = DeadLetterInfo {
+            reason: "undecodable".into(),
+            ..Default::default()
+        };
+        assert_eq!(
+            triage_reason(Some(&info), Some(&death)).as_deref(),
+            Some("undecodable")
+        );
+        assert_eq!(
+            triage_reason(None, Some(&death)).as_deref(),
+            Some("rejected")
+        );
+        let blank = XDeath {
+            reason: String::new(),
+            ..death
+        };
+        assert_eq!(triage_reason(None, Some(&blank)), None);
+        assert_eq!(triage_reason(None, None), None);
     }
 
     #[test]

@@ -83,24 +83,59 @@ fn or_dash(v: &Option<String>) -> String {
     v.clone().unwrap_or_else(|| "-".to_owned())
 }
 
-/// The `list` table. `with_destination` adds the unroutable queue's DESTINATION column.
-pub fn summary_table(rows: &[Summary], with_destination: bool) -> String {
-    let mut cols: Vec<(&'static str, usize)> = vec![
+/// The `list` table. A DLQ shows the triage view (when and why each message died, its final
+/// error); the parking queue (`parked`) shows the retry in progress and its DESTINATION.
+pub fn summary_table(rows: &[Summary], parked: bool) -> String {
+    if parked {
+        parked_table(rows)
+    } else {
+        dlq_table(rows)
+    }
+}
+
+fn dlq_table(rows: &[Summary]) -> String {
+    let mut t = Table::new(&[
+        ("#", 6),
+        ("MESSAGE_ID", 36),
+        ("DEAD_LETTERED_AT", 25),
+        ("ATTEMPTS", 8),
+        ("REASON", 18),
+        ("COUNT", 6),
+        ("ERROR", 40),
+        ("BODY", 40),
+    ]);
+    for s in rows {
+        t.row(vec![
+            s.position.to_string(),
+            or_dash(&s.message_id),
+            or_dash(&s.dead_lettered_at),
+            s.attempts.to_string(),
+            or_dash(&s.reason),
+            s.death_count
+                .map_or_else(|| "-".to_owned(), |c| c.to_string()),
+            s.final_error
+                .as_deref()
+                .map_or_else(|| "-".to_owned(), one_line),
+            s.body_preview.clone(),
+        ]);
+    }
+    t.render()
+}
+
+fn parked_table(rows: &[Summary]) -> String {
+    let mut t = Table::new(&[
         ("#", 6),
         ("MESSAGE_ID", 36),
         ("FIRST_FAILED_AT", 25),
         ("ATTEMPTS", 8),
         ("REASON", 16),
         ("COUNT", 6),
-    ];
-    if with_destination {
-        cols.push(("DESTINATION", 32));
-    }
-    cols.push(("LAST_ERROR", 40));
-    cols.push(("BODY", 40));
-    let mut t = Table::new(&cols);
+        ("DESTINATION", 32),
+        ("LAST_ERROR", 40),
+        ("BODY", 40),
+    ]);
     for s in rows {
-        let mut cells = vec![
+        t.row(vec![
             s.position.to_string(),
             or_dash(&s.message_id),
             or_dash(&s.first_failed_at),
@@ -108,23 +143,34 @@ pub fn summary_table(rows: &[Summary], with_destination: bool) -> String {
             or_dash(&s.death_reason),
             s.death_count
                 .map_or_else(|| "-".to_owned(), |c| c.to_string()),
-        ];
-        if with_destination {
-            cells.push(or_dash(&s.destination));
-        }
-        cells.push(
+            or_dash(&s.destination),
             s.last_error
                 .as_deref()
                 .map_or_else(|| "-".to_owned(), one_line),
-        );
-        cells.push(s.body_preview.clone());
-        t.row(cells);
+            s.body_preview.clone(),
+        ]);
+    }
+    t.render()
+}
+
+/// What a group without a value (no reason, no final error) is called in tables.
+pub const NONE_LABEL: &str = "(none)";
+
+/// A COUNT / `header` table of groups, most frequent first (the caller's order).
+pub fn group_table(header: &'static str, groups: &[(Option<String>, u64)]) -> String {
+    let mut t = Table::new(&[("COUNT", 10), (header, 120)]);
+    for (key, n) in groups {
+        t.row(vec![
+            n.to_string(),
+            key.as_deref()
+                .map_or_else(|| NONE_LABEL.to_owned(), one_line),
+        ]);
     }
     t.render()
 }
 
 /// Newlines and tabs in error messages would break table rows.
-fn one_line(s: &str) -> String {
+pub fn one_line(s: &str) -> String {
     s.chars()
         .map(|c| if c.is_control() { ' ' } else { c })
         .collect()
@@ -389,6 +435,35 @@ pub fn progress(total: u64, what: &str) -> ProgressBar {
     bar
 }
 
+/// A bar for `total` items that are slow one by one (probes waiting for their delay): shown on
+/// a terminal whatever the count, with the elapsed time ticking, hidden otherwise.
+pub fn waiting(total: u64, what: &str) -> ProgressBar {
+    let target = if std::io::stdout().is_terminal() && std::io::stderr().is_terminal() {
+        ProgressDrawTarget::stderr()
+    } else {
+        ProgressDrawTarget::hidden()
+    };
+    let bar = ProgressBar::with_draw_target(Some(total), target);
+    if let Ok(style) = ProgressStyle::with_template("{msg} [{bar:40}] {pos}/{len} ({elapsed})") {
+        bar.set_style(style.progress_chars("=> "));
+    }
+    bar.set_message(what.to_owned());
+    if !bar.is_hidden() {
+        // Without ticks the elapsed time only moves when a probe arrives.
+        bar.enable_steady_tick(std::time::Duration::from_millis(200));
+    }
+    bar
+}
+
+/// Prints `value` as the single pretty JSON document of a `--json` run.
+pub fn print_json(value: &impl serde::Serialize, what: &str) -> anyhow::Result<()> {
+    use anyhow::Context as _;
+    let text = serde_json::to_string_pretty(value)
+        .with_context(|| format!("cannot encode {what} as JSON"))?;
+    println!("{text}");
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -410,6 +485,12 @@ mod tests {
             out,
             "  tenant: acme\n  x-death:\n    - count: 1\n      queue: q\n"
         );
+    }
+
+    #[test]
+    fn groups_name_the_missing_value() {
+        let t = group_table("REASON", &[(Some("rejected".into()), 3), (None, 1)]);
+        assert_eq!(t, "COUNT  REASON\n3      rejected\n1      (none)\n");
     }
 
     #[test]

@@ -17,8 +17,9 @@ use lapin::types::FieldTable;
 use lapin::{BasicProperties, Connection};
 use redeliver_amqp::delay::DelayConfig;
 use redeliver_amqp::publisher::Publisher;
+use serde::Serialize;
 
-use crate::output::Table;
+use crate::output::{self, Table};
 
 /// One probe's result.
 #[derive(Debug)]
@@ -31,13 +32,61 @@ pub struct ProbeResult {
     pub error: Option<String>,
 }
 
-/// Runs the probe and prints its table. Fails when a probe was lost or could not be sent.
+/// One probe in `delay probe --json`; durations in milliseconds.
+#[derive(Debug, Serialize)]
+struct ProbeJson {
+    intended_ms: f64,
+    routed_ms: Option<f64>,
+    observed_ms: Option<f64>,
+    /// observed - routed.
+    error_ms: Option<f64>,
+    /// ok, lost or not_sent.
+    status: &'static str,
+    /// Why it was not sent.
+    error: Option<String>,
+}
+
+impl From<&ProbeResult> for ProbeJson {
+    fn from(r: &ProbeResult) -> Self {
+        // Microsecond resolution: finer digits are noise of the clock and the float.
+        let round = |ms: f64| (ms * 1000.0).round() / 1000.0;
+        let ms = |d: Duration| round(d.as_secs_f64() * 1000.0);
+        Self {
+            intended_ms: ms(r.intended),
+            routed_ms: r.effective.map(ms),
+            observed_ms: r.observed.map(ms),
+            error_ms: match (r.observed, r.effective) {
+                (Some(o), Some(e)) => Some(round((o.as_secs_f64() - e.as_secs_f64()) * 1000.0)),
+                _ => None,
+            },
+            status: match (&r.error, r.observed) {
+                (Some(_), _) => "not_sent",
+                (None, Some(_)) => "ok",
+                (None, None) => "lost",
+            },
+            error: r.error.clone(),
+        }
+    }
+}
+
+fn print_json(results: &[ProbeResult], lost: usize, failed: usize) -> anyhow::Result<()> {
+    let v = serde_json::json!({
+        "probes": results.iter().map(ProbeJson::from).collect::<Vec<_>>(),
+        "lost": lost,
+        "not_sent": failed,
+    });
+    output::print_json(&v, "the probe results")
+}
+
+/// Runs the probe and prints its table (or JSON). Fails when a probe was lost or could not be
+/// sent, after printing the results.
 pub async fn run(
     conn: &Connection,
     cfg: &DelayConfig,
     prefix: &str,
     delays: &[Duration],
     grace: Duration,
+    json: bool,
 ) -> anyhow::Result<()> {
     cfg.verify(conn)
         .await
@@ -70,12 +119,16 @@ pub async fn run(
     let results = outcome?;
     deleted.with_context(|| format!("cannot delete the probe queue '{queue}'"))?;
 
-    print!("{}", table(&results));
     let lost = results
         .iter()
         .filter(|r| r.error.is_none() && r.observed.is_none())
         .count();
     let failed = results.iter().filter(|r| r.error.is_some()).count();
+    if json {
+        print_json(&results, lost, failed)?;
+    } else {
+        print!("{}", table(&results));
+    }
     if lost > 0 {
         anyhow::bail!(
             "{lost} probe(s) did not arrive within the longest delay plus {}: check the \
@@ -160,6 +213,8 @@ async fn probe(
         .max()
         .unwrap_or_default();
     let deadline = Instant::now() + longest + grace;
+    // The wait lasts the longest delay at least: show it on a terminal.
+    let bar = output::waiting(sent.len() as u64, "waiting for probes");
     while !sent.is_empty() {
         let left = deadline.saturating_duration_since(Instant::now());
         if left.is_zero() {
@@ -170,13 +225,20 @@ async fn probe(
                 let at = Instant::now();
                 let id = d.properties.message_id().as_ref().map(|m| m.to_string());
                 if let Some((i, start)) = id.and_then(|id| sent.remove(&id)) {
-                    results[i].observed = Some(at.duration_since(start));
+                    if let Some(r) = results.get_mut(i) {
+                        r.observed = Some(at.duration_since(start));
+                    }
+                    bar.inc(1);
                 }
             }
-            Ok(Some(Err(e))) => return Err(e).context("lost the probe consumer"),
+            Ok(Some(Err(e))) => {
+                bar.finish_and_clear();
+                return Err(e).context("lost the probe consumer");
+            }
             Ok(None) | Err(_) => break,
         }
     }
+    bar.finish_and_clear();
     Ok(results)
 }
 

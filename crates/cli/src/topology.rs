@@ -11,7 +11,7 @@ use serde_json::Value;
 
 use crate::browse;
 use crate::cli::{DelayArgs, TopologyArgs};
-use crate::output::{table_json, Table};
+use crate::output::{self, table_json, Table};
 
 /// The delay configuration the flags describe.
 pub fn delay_config(prefix: &str, d: &DelayArgs) -> DelayConfig {
@@ -73,11 +73,84 @@ fn describe_delay(a: &TopologyArgs) -> String {
     )
 }
 
-pub async fn declare(conn: &Connection, a: &TopologyArgs) -> anyhow::Result<()> {
+/// What `declare --json` / `verify --json` print (`declared` or `ok` is set, the other absent).
+#[derive(Debug, Serialize)]
+struct Names {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    declared: Option<bool>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    ok: Option<bool>,
+    queue: String,
+    queue_type: &'static str,
+    dlx: String,
+    dlq: String,
+    dlq_type: &'static str,
+    delay: DelayJson,
+}
+
+/// The shared delay infrastructure in JSON reports.
+#[derive(Debug, Serialize)]
+struct DelayJson {
+    prefix: String,
+    levels: u8,
+    granularity_ms: u64,
+    queue_type: &'static str,
+}
+
+impl DelayJson {
+    fn new(a: &TopologyArgs) -> Self {
+        Self {
+            prefix: a.prefix.clone(),
+            levels: a.delay.levels,
+            granularity_ms: u64::try_from(a.delay.granularity.as_millis()).unwrap_or(u64::MAX),
+            queue_type: if a.delay.delay_classic {
+                "classic"
+            } else {
+                "quorum"
+            },
+        }
+    }
+}
+
+impl Names {
+    fn new(a: &TopologyArgs, t: &Topology) -> Self {
+        Self {
+            declared: None,
+            ok: None,
+            queue: t.queue_name(),
+            queue_type: if a.classic { "classic" } else { "quorum" },
+            dlx: t.dlx_name(),
+            dlq: t.dlq_name(),
+            dlq_type: t.get_dlq_queue_type().as_str(),
+            delay: DelayJson::new(a),
+        }
+    }
+}
+
+/// What `delete --json` prints.
+#[derive(Debug, Serialize)]
+struct Deleted {
+    deleted: bool,
+    queue: String,
+    dlx: String,
+    dlq: String,
+    delay_deleted: bool,
+    /// The delay infrastructure deleted with --include-delay, else null.
+    delay: Option<DelayJson>,
+}
+
+pub async fn declare(conn: &Connection, a: &TopologyArgs, json: bool) -> anyhow::Result<()> {
     let t = topology(a);
     t.declare(conn)
         .await
         .with_context(|| format!("cannot declare the topology of '{}'", t.queue_name()))?;
+    if json {
+        let names = Names {
+            declared: Some(true),
+            ..Names::new(a, &t)
+        };
+        return output::print_json(&names, "the result");
+    }
     println!(
         "declared queue '{}' ({}), exchange '{}', queue '{}' ({}) and {}",
         t.queue_name(),
@@ -90,11 +163,18 @@ pub async fn declare(conn: &Connection, a: &TopologyArgs) -> anyhow::Result<()> 
     Ok(())
 }
 
-pub async fn verify(conn: &Connection, a: &TopologyArgs) -> anyhow::Result<()> {
+pub async fn verify(conn: &Connection, a: &TopologyArgs, json: bool) -> anyhow::Result<()> {
     let t = topology(a);
     t.verify(conn)
         .await
         .with_context(|| format!("the topology of '{}' is not in place", t.queue_name()))?;
+    if json {
+        let names = Names {
+            ok: Some(true),
+            ..Names::new(a, &t)
+        };
+        return output::print_json(&names, "the result");
+    }
     println!(
         "ok: queue '{}', exchange '{}', queue '{}' and {} exist",
         t.queue_name(),
@@ -109,11 +189,29 @@ pub async fn delete(
     conn: &Connection,
     a: &TopologyArgs,
     include_delay: bool,
+    json: bool,
 ) -> anyhow::Result<()> {
     let t = topology(a);
     t.delete(conn)
         .await
         .with_context(|| format!("cannot delete the topology of '{}'", t.queue_name()))?;
+    if include_delay {
+        t.delay_config()
+            .delete(conn)
+            .await
+            .context("cannot delete the delay infrastructure")?;
+    }
+    if json {
+        let v = Deleted {
+            deleted: true,
+            queue: t.queue_name(),
+            dlx: t.dlx_name(),
+            dlq: t.dlq_name(),
+            delay_deleted: include_delay,
+            delay: include_delay.then(|| DelayJson::new(a)),
+        };
+        return output::print_json(&v, "the result");
+    }
     println!(
         "deleted queue '{}', exchange '{}' and queue '{}'",
         t.queue_name(),
@@ -121,10 +219,6 @@ pub async fn delete(
         t.dlq_name()
     );
     if include_delay {
-        t.delay_config()
-            .delete(conn)
-            .await
-            .context("cannot delete the delay infrastructure")?;
         println!("deleted {}", describe_delay(a));
     }
     Ok(())
@@ -325,11 +419,7 @@ pub async fn show(conn: &Connection, a: &TopologyArgs, json: bool) -> anyhow::Re
                 "source": s, "destination": d, "routing_key": k
             })).collect::<Vec<_>>(),
         });
-        println!(
-            "{}",
-            serde_json::to_string_pretty(&v).context("cannot encode as JSON")?
-        );
-        return Ok(());
+        return output::print_json(&v, "the topology");
     }
     let mut table = Table::new(&[
         ("KIND", 8),

@@ -44,17 +44,20 @@ fn help_texts() {
         ("help_topology", &["topology", "--help"]),
         ("help_topology_declare", &["topology", "declare", "--help"]),
         ("help_topology_show", &["topology", "show", "--help"]),
+        ("help_topology_delete", &["topology", "delete", "--help"]),
         ("help_dlq", &["dlq", "--help"]),
         ("help_dlq_list", &["dlq", "list", "--help"]),
         ("help_dlq_peek", &["dlq", "peek", "--help"]),
         ("help_dlq_replay", &["dlq", "replay", "--help"]),
         ("help_dlq_purge", &["dlq", "purge", "--help"]),
+        ("help_dlq_stats", &["dlq", "stats", "--help"]),
         ("help_unroutable", &["unroutable", "--help"]),
         ("help_unroutable_list", &["unroutable", "list", "--help"]),
         (
             "help_unroutable_replay",
             &["unroutable", "replay", "--help"],
         ),
+        ("help_unroutable_purge", &["unroutable", "purge", "--help"]),
         ("help_delay_probe", &["delay", "probe", "--help"]),
     ];
     for (name, args) in cases {
