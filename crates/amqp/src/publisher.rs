@@ -258,9 +258,12 @@ impl Publisher {
             .await
     }
 
-    /// Publishes a copy of a message, its properties exactly as given (nothing filled in), and
-    /// waits for the broker's confirm: what a replay or a repaired copy needs, where the copy must
-    /// be the original byte for byte, `message_id` (or its absence) included.
+    /// Publishes a copy of a message the broker already took, its properties exactly as given
+    /// (nothing filled in), and waits for the broker's confirm: what a replay, a repaired copy or
+    /// an annotated dead letter needs, where the copy must be the original byte for byte,
+    /// `message_id` (or its absence) included. The body is the one the broker accepted, and
+    /// headers do not count toward `max_message_size`, so [`Self::with_max_message_size`] is not
+    /// applied: a dead letter must not be refused for a limit set below the broker's.
     pub async fn publish_copy(
         &self,
         exchange: &str,
@@ -268,11 +271,31 @@ impl Publisher {
         body: &[u8],
         props: BasicProperties,
     ) -> Result<(), PublishError> {
-        self.publish_filled(exchange, routing_key, body, props)
-            .await
+        self.send(exchange, routing_key, body, props).await
     }
 
     async fn publish_filled(
+        &self,
+        exchange: &str,
+        routing_key: &str,
+        body: &[u8],
+        props: BasicProperties,
+    ) -> Result<(), PublishError> {
+        if let Some(limit) = self.inner.max_message_size {
+            if body.len() > limit {
+                return Err(PublishError::TooLarge {
+                    exchange: exchange.to_owned(),
+                    routing_key: routing_key.to_owned(),
+                    size: body.len(),
+                    limit: Some(limit),
+                });
+            }
+        }
+        self.send(exchange, routing_key, body, props).await
+    }
+
+    /// Publishes (mandatory) and waits for the confirm; a returned message is an error.
+    async fn send(
         &self,
         exchange: &str,
         routing_key: &str,
@@ -285,11 +308,6 @@ impl Publisher {
             size: body.len(),
             limit,
         };
-        if let Some(limit) = self.inner.max_message_size {
-            if body.len() > limit {
-                return Err(too_large(Some(limit)));
-            }
-        }
         let published = async {
             self.inner
                 .channel

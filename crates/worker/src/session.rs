@@ -628,8 +628,8 @@ impl DeliveryTask {
                     self.settle_failed("ack after dead-letter", Ok(false))
                 }
             }
-            // Headers do not count toward the broker's limit, so this only happens with a
-            // max_message_size set below the broker's: the broker can still move the original.
+            // The body is the one the broker accepted and headers do not count, so only a
+            // broker whose limit was lowered since refuses it: it can still move the original.
             Err(PublishError::TooLarge { .. }) => {
                 self.reject_to_dlx(reason, error, state, message_id).await
             }

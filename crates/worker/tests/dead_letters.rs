@@ -66,6 +66,9 @@ async fn dead_letters_in(mode: DeadLetterMode) -> (Vec<Value>, String) {
         .dead_letter_mode(mode)
         .connection_name(name.clone())
         .policy(RetryPolicy::constant(Duration::from_millis(20)).max_retries(1))
+        // Below the "big" message: its retry copy is refused (too_large); the dead letter, the
+        // same body the broker already took, is not.
+        .max_message_size(200)
         .handler(|job: Json<Job>, _ctx: Context| async move {
             match job.mode.as_str() {
                 "permanent" => Err(HandlerError::permanent("width must be positive")),
@@ -84,6 +87,10 @@ async fn dead_letters_in(mode: DeadLetterMode) -> (Vec<Value>, String) {
             (br#"{"mode":"permanent"}"#.to_vec(), user_props("perm")),
             (br#"{"mode":"transient"}"#.to_vec(), user_props("exhausted")),
             (b"not json at all".to_vec(), user_props("garbage")),
+            (
+                format!(r#"{{"mode":"transient","pad":"{}"}}"#, "x".repeat(300)).into_bytes(),
+                user_props("big"),
+            ),
         ],
     )
     .await;
@@ -91,7 +98,7 @@ async fn dead_letters_in(mode: DeadLetterMode) -> (Vec<Value>, String) {
     let started = std::time::Instant::now();
     let mut ready = false;
     while !ready && started.elapsed() < Duration::from_secs(20) {
-        ready = ready_count(&conn, &dlq).await >= 4;
+        ready = ready_count(&conn, &dlq).await >= 5;
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     let messages = redeliver_testkit::mgmt::blocking({
@@ -104,7 +111,7 @@ async fn dead_letters_in(mode: DeadLetterMode) -> (Vec<Value>, String) {
     run.await.unwrap().unwrap();
     assert!(
         ready,
-        "4 dead letters expected, the API shows {}",
+        "5 dead letters expected, the API shows {}",
         messages.len()
     );
     drop(names);
@@ -154,6 +161,12 @@ async fn annotate_mode_says_why_each_message_died() {
             2,
         ),
         ("garbage", "undecodable", "cannot decode message body", 1),
+        (
+            "big",
+            "too_large",
+            "exceeds the broker's max_message_size",
+            1,
+        ),
     ] {
         let m = find(&messages, id);
         readable_and_intact(m, id);
@@ -200,7 +213,7 @@ async fn annotate_mode_says_why_each_message_died() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn reject_mode_leaves_the_brokers_record_and_the_last_retry_error() {
     let (messages, _) = dead_letters_in(DeadLetterMode::Reject).await;
-    for id in ["perm", "exhausted", "garbage"] {
+    for id in ["perm", "exhausted", "garbage", "big"] {
         let m = find(&messages, id);
         readable_and_intact(m, id);
         assert_eq!(death_reason(m), Some("rejected"), "{id}: {m:#}");
