@@ -388,6 +388,13 @@ async fn poll_unroutable(connection: Arc<Connection>, name: String) {
     }
 }
 
+/// Puts why a delivery was dead-lettered on its span.
+fn record_dead_letter(reason: &str, error: &str) {
+    let span = Span::current();
+    span.record("reason", reason);
+    span.record("error", error);
+}
+
 /// Keeps the in-flight gauge right on every exit path, panics included.
 struct InFlight<'a>(&'a metrics::Gauge);
 
@@ -561,9 +568,7 @@ impl DeliveryTask {
         state: &RetryState,
         message_id: &str,
     ) -> &'static str {
-        let span = Span::current();
-        span.record("reason", reason);
-        span.record("error", error);
+        record_dead_letter(reason, error);
         match self.worker.config.dead_letter_mode {
             DeadLetterMode::Reject => self.reject_to_dlx(reason, error, state, message_id).await,
             DeadLetterMode::Annotate => {
@@ -863,9 +868,7 @@ impl DeliveryTask {
             error!(message_id = %message_id, requeues = count - 1, limit, "requeue limit reached: dead-lettering the message instead");
             let error = format!("{reason} {} times, last: {cause}", count - 1);
             // Rejected whatever the mode: publishing is what keeps failing.
-            let span = Span::current();
-            span.record("reason", m::REASON_REQUEUE_LIMIT);
-            span.record("error", error.as_str());
+            record_dead_letter(m::REASON_REQUEUE_LIMIT, &error);
             return self
                 .reject_to_dlx(m::REASON_REQUEUE_LIMIT, &error, state, message_id)
                 .await;
