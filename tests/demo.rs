@@ -3,8 +3,8 @@
 //!
 //! The example's source is compiled into this test (`#[path]`), so the test needs no prebuilt
 //! binary and runs the very code `cargo run --example image_processing -- --demo` runs. The
-//! binary itself (exit codes, the no-broker message) is checked too when `cargo test` built it
-//! next to this test, as `cargo test --workspace` does.
+//! binary itself (exit codes, the no-broker message) is checked too: `cargo test --workspace`
+//! builds it next to this test, and a narrower run builds it first.
 
 mod support;
 
@@ -155,36 +155,17 @@ async fn without_a_broker_the_demo_says_how_to_start_one() {
     );
 }
 
-/// `target/<profile>/examples/image_processing`, next to this test's own `deps/` directory.
-fn example_binary() -> Option<PathBuf> {
-    let exe = std::env::current_exe().ok()?;
-    let profile_dir = exe.parent()?.parent()?;
-    let bin = profile_dir
-        .join("examples")
-        .join(format!("image_processing{}", std::env::consts::EXE_SUFFIX));
-    let source = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("examples/image_processing.rs");
-    let fresh = |p: &PathBuf| -> Option<bool> {
-        Some(p.metadata().ok()?.modified().ok()? >= source.metadata().ok()?.modified().ok()?)
-    };
-    match fresh(&bin) {
-        Some(true) => Some(bin),
-        _ => {
-            // `cargo test --test demo` builds only this test; `cargo test --workspace` builds
-            // the examples too. The in-process tests above cover the demo either way.
-            eprintln!(
-                "note: {} missing or older than its source; binary checks not run (use `cargo test --workspace`)",
-                bin.display()
-            );
-            None
-        }
-    }
+/// The example binary, built first when `cargo test` did not (a narrow `--test demo`).
+fn example_binary() -> PathBuf {
+    redeliver_testkit::examples::example_binary(
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")),
+        "image_processing",
+    )
 }
 
 #[test]
 fn the_example_binary_exits_0_on_a_demo_and_1_without_a_broker() {
-    let Some(bin) = example_binary() else {
-        return;
-    };
+    let bin = example_binary();
     let out = Command::new(&bin)
         .args(["--demo", "--count", "20", "--poison", "2"])
         .env("AMQP_URL", support::amqp_url())

@@ -68,89 +68,11 @@ pub fn report(line: impl AsRef<str>) {
 pub fn worker_binary() -> &'static Path {
     static BIN: OnceLock<PathBuf> = OnceLock::new();
     BIN.get_or_init(|| {
-        let exe = std::env::current_exe().expect("path of the test executable");
-        let profile_dir = exe
-            .parent()
-            .and_then(Path::parent)
-            .expect("test executable lives in <target>/<profile>/deps");
-        let bin = profile_dir.join("examples").join(format!(
-            "reliability_worker{}",
-            std::env::consts::EXE_SUFFIX
-        ));
-        if is_stale(&bin) {
-            build_worker_binary(profile_dir);
-        }
-        assert!(
-            bin.exists(),
-            "{} does not exist; build it with `cargo build --example reliability_worker`",
-            bin.display()
-        );
-        bin
+        redeliver_testkit::examples::example_binary(
+            Path::new(env!("CARGO_MANIFEST_DIR")),
+            "reliability_worker",
+        )
     })
-}
-
-/// Missing, or older than a source it is built from (a narrow `cargo test --test ...` after an
-/// edit does not rebuild examples). Only then is cargo run: building the example alone resolves
-/// features for this package only, so doing it when `cargo test --workspace` just built it would
-/// rebuild it for nothing.
-fn is_stale(bin: &Path) -> bool {
-    let Ok(built) = std::fs::metadata(bin).and_then(|m| m.modified()) else {
-        return true;
-    };
-    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
-    let newer = |p: &Path| {
-        std::fs::metadata(p)
-            .and_then(|m| m.modified())
-            .is_ok_and(|t| t > built)
-    };
-    if newer(&root.join("examples/reliability_worker.rs")) {
-        return true;
-    }
-    let mut dirs = vec![
-        root.join("src"),
-        root.join("crates/core/src"),
-        root.join("crates/amqp/src"),
-        root.join("crates/worker/src"),
-    ];
-    while let Some(dir) = dirs.pop() {
-        let Ok(entries) = std::fs::read_dir(&dir) else {
-            continue;
-        };
-        for e in entries.flatten() {
-            let path = e.path();
-            if path.is_dir() {
-                dirs.push(path);
-            } else if path.extension().is_some_and(|x| x == "rs") && newer(&path) {
-                return true;
-            }
-        }
-    }
-    false
-}
-
-fn build_worker_binary(profile_dir: &Path) {
-    let cargo = std::env::var("CARGO").unwrap_or_else(|_| env!("CARGO").to_owned());
-    let mut cmd = Command::new(cargo);
-    cmd.current_dir(env!("CARGO_MANIFEST_DIR")).args([
-        "build",
-        "--quiet",
-        "--example",
-        "reliability_worker",
-    ]);
-    // Same profile as this test binary: `release` when it was built with --release.
-    if profile_dir.file_name().is_some_and(|n| n == "release") {
-        cmd.arg("--release");
-    }
-    if let Some(target_dir) = profile_dir.parent() {
-        cmd.env("CARGO_TARGET_DIR", target_dir);
-    }
-    let status = cmd
-        .status()
-        .expect("run cargo to build the reliability_worker example");
-    assert!(
-        status.success(),
-        "cargo build --example reliability_worker failed"
-    );
 }
 
 // ---------------------------------------------------------------------------------------------

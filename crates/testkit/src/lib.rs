@@ -14,6 +14,7 @@ use lapin::options::{BasicAckOptions, BasicGetOptions, QueueDeclareOptions};
 use lapin::types::FieldTable;
 use lapin::{BasicProperties, Channel, Connection, ConnectionProperties};
 
+pub mod examples;
 pub mod mgmt;
 
 /// The broker the tests use when `AMQP_URL` is not set.

@@ -1,0 +1,89 @@
+//! The workspace's example programs as test subjects: the path of one, built first when it is
+//! missing or older than its sources, so a test that runs it never passes for want of it.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+/// `<target>/<profile>/examples/<name>` of the test executable running now, built with
+/// `cargo build --example <name>` (same profile and target directory) when it is missing or
+/// older than `examples/<name>.rs` or any `.rs` file under `src/` and `crates/*/src/` of
+/// `workspace_root`.
+///
+/// `cargo test --workspace` builds every example next to the test binaries, so this builds
+/// nothing then; a narrower `cargo test --test X` after an edit does not, and this catches up.
+///
+/// # Panics
+///
+/// When cargo cannot build it: the test fails, saying how to build it by hand.
+pub fn example_binary(workspace_root: &Path, name: &str) -> PathBuf {
+    let exe = std::env::current_exe().expect("path of the test executable");
+    let profile_dir = exe
+        .parent()
+        .and_then(Path::parent)
+        .expect("a test executable lives in <target>/<profile>/deps");
+    let bin = profile_dir
+        .join("examples")
+        .join(format!("{name}{}", std::env::consts::EXE_SUFFIX));
+    if is_stale(&bin, workspace_root, name) {
+        build(workspace_root, profile_dir, name);
+    }
+    assert!(
+        bin.exists(),
+        "{} does not exist; build it with `cargo build --example {name}`",
+        bin.display()
+    );
+    bin
+}
+
+/// Missing, or older than a source it is built from. Only then is cargo run: building one
+/// example resolves features for its package alone, so doing it right after
+/// `cargo test --workspace` built it would rebuild it for nothing.
+fn is_stale(bin: &Path, root: &Path, name: &str) -> bool {
+    let Ok(built) = std::fs::metadata(bin).and_then(|m| m.modified()) else {
+        return true;
+    };
+    let newer = |p: &Path| {
+        std::fs::metadata(p)
+            .and_then(|m| m.modified())
+            .is_ok_and(|t| t > built)
+    };
+    if newer(&root.join("examples").join(format!("{name}.rs"))) {
+        return true;
+    }
+    let mut dirs = vec![root.join("src")];
+    if let Ok(crates) = std::fs::read_dir(root.join("crates")) {
+        dirs.extend(crates.flatten().map(|c| c.path().join("src")));
+    }
+    while let Some(dir) = dirs.pop() {
+        let Ok(entries) = std::fs::read_dir(&dir) else {
+            continue;
+        };
+        for e in entries.flatten() {
+            let path = e.path();
+            if path.is_dir() {
+                dirs.push(path);
+            } else if path.extension().is_some_and(|x| x == "rs") && newer(&path) {
+                return true;
+            }
+        }
+    }
+    false
+}
+
+fn build(root: &Path, profile_dir: &Path, name: &str) {
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned());
+    let mut cmd = Command::new(cargo);
+    cmd.current_dir(root)
+        .args(["build", "--quiet", "--example", name]);
+    // Same profile as this test binary: `release` when it was built with --release.
+    if profile_dir.file_name().is_some_and(|n| n == "release") {
+        cmd.arg("--release");
+    }
+    if let Some(target_dir) = profile_dir.parent() {
+        cmd.env("CARGO_TARGET_DIR", target_dir);
+    }
+    let status = cmd
+        .status()
+        .unwrap_or_else(|e| panic!("cannot run cargo to build the {name} example: {e}"));
+    assert!(status.success(), "cargo build --example {name} failed");
+}
