@@ -186,18 +186,30 @@ async fn metrics_endpoint_counts_what_happened() {
         text.contains(&format!("# HELP {}", m::MESSAGES_RECEIVED)),
         "{text}"
     );
-    assert_eq!(get(m::IN_FLIGHT, &[("queue", q)]), 0.0, "{text}");
+    assert_eq!(get(m::HANDLERS_IN_FLIGHT, &[("queue", q)]), 0.0, "{text}");
     assert_eq!(
-        get(m::CONNECTION_STATE, &[("queue", q)]),
-        2.0,
+        get(m::CONNECTION_STATE, &[("queue", q), ("state", "consuming")]),
+        1.0,
         "consuming: {text}"
+    );
+    assert_eq!(
+        get(m::CONNECTION_STATE, &[("queue", q), ("state", "reconnecting")]),
+        0.0,
+        "{text}"
     );
 
     // After a clean stop the connection gauge says disconnected.
     worker_token.cancel();
     worker.await.expect("join").expect("clean stop");
     let s = parse_prometheus(&http_get(addr, "/metrics").await.1);
-    assert_eq!(sample(&s, m::CONNECTION_STATE, &[("queue", q)]), Some(0.0));
+    assert_eq!(
+        sample(&s, m::CONNECTION_STATE, &[("queue", q), ("state", "stopped")]),
+        Some(1.0)
+    );
+    assert_eq!(
+        sample(&s, m::CONNECTION_STATE, &[("queue", q), ("state", "consuming")]),
+        Some(0.0)
+    );
     token.cancel();
     http.await.expect("join").expect("health server");
 

@@ -14,12 +14,11 @@
 //! front of the window with one multiple ack whose tag is the run's last *acked* tag (RabbitMQ
 //! refuses a multiple ack whose own tag was already settled). Only that task sends acks, so
 //! multiple acks leave in tag order; it is woken only when there is something to send, not once
-//! per message (an earlier version sent it every report over a channel, a wake-up per message).
+//! per message.
 //!
 //! A run is sent once it holds a tenth of the prefetch (RabbitMQ's advice: ack every 5-10 % of
-//! the prefetch), or after lingering [`LINGER`] (what a quiet consumer waits for its ack).
-//! Sending each small run as soon as it formed cost the broker several frames per 20 messages
-//! and kept the worker at 0.6x of a batching consumer's throughput.
+//! the prefetch), or after lingering [`LINGER`] (what a quiet consumer waits for its ack):
+//! sending each small run as soon as it forms costs the broker a frame per few messages.
 //!
 //! A slow handler at the front of the window would hold back every ack behind it and, once the
 //! prefetch window is full of finished-but-unacked deliveries, stall the consumer. Finished tags

@@ -12,12 +12,9 @@ use lapin::message::Delivery;
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::BasicProperties;
 use redeliver_amqp::headers::RetryState;
-use redeliver_core::HandlerError;
+use redeliver_core::{BoxError, HandlerError};
 use serde::de::DeserializeOwned;
 use tokio_util::sync::CancellationToken;
-
-/// Boxed error used by decoders.
-pub type BoxError = Box<dyn StdError + Send + Sync + 'static>;
 
 /// Handles the messages of one queue.
 ///

@@ -48,7 +48,7 @@
 
 use std::fmt;
 use std::io;
-use std::net::SocketAddr;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
@@ -89,6 +89,7 @@ const PROMETHEUS_TEXT: &str = "text/plain; version=0.0.4; charset=utf-8";
 
 /// Why the health server or the metrics recorder could not start.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum HealthError {
     /// The address could not be bound (in use, no permission, unresolvable).
     #[error("cannot listen on {addr}: {source}")]
@@ -191,12 +192,12 @@ fn describe_worker_metrics() {
         Unit::Seconds,
         "Wall time of one handler call (decoding excluded)."
     );
-    metrics::describe_gauge!(m::IN_FLIGHT, "Handlers running right now.");
+    metrics::describe_gauge!(m::HANDLERS_IN_FLIGHT, "Handlers running right now.");
     metrics::describe_gauge!(
         m::CONNECTION_STATE,
         "Worker connection state: 0 disconnected, 1 connecting or reconnecting, 2 consuming, 3 draining."
     );
-    metrics::describe_counter!(m::RECONNECTS, "Connections lost and re-established.");
+    metrics::describe_counter!(m::RECONNECTS, "Connections re-established after a loss.");
     metrics::describe_gauge!(
         m::DELAY_UNROUTABLE_MESSAGES,
         "Messages parked in the delay infrastructure's unroutable queue."
@@ -353,16 +354,28 @@ impl Health {
         A: ToSocketAddrs + fmt::Debug,
     {
         let shown = format!("{addr:?}").trim_matches('"').to_owned();
-        let listener = TcpListener::bind(addr)
-            .await
-            .map_err(|source| HealthError::Bind {
-                addr: shown.clone(),
-                source,
-            })?;
-        let local_addr = listener.local_addr().map_err(|source| HealthError::Bind {
-            addr: shown,
+        let bind_error = |source| HealthError::Bind {
+            addr: shown.clone(),
             source,
-        })?;
+        };
+        let addrs: Vec<SocketAddr> = tokio::net::lookup_host(addr)
+            .await
+            .map_err(bind_error)?
+            .collect();
+        let listener = match TcpListener::bind(addrs.as_slice()).await {
+            Ok(l) => l,
+            // `[::]` (a bare port) is dual-stack on Linux; on a host without IPv6 fall back to
+            // every IPv4 address.
+            Err(e) => match addrs.as_slice() {
+                [only] if only.ip() == IpAddr::V6(Ipv6Addr::UNSPECIFIED) => {
+                    TcpListener::bind((Ipv4Addr::UNSPECIFIED, only.port()))
+                        .await
+                        .map_err(|_| bind_error(e))?
+                }
+                _ => return Err(bind_error(e)),
+            },
+        };
+        let local_addr = listener.local_addr().map_err(bind_error)?;
         Ok(HealthServer {
             listener,
             local_addr,
@@ -622,6 +635,24 @@ mod tests {
             body.contains(r#"redeliver_handler_duration_seconds_bucket{queue="q1",le="0.025"} 1"#),
             "histogram buckets expected: {body}"
         );
+        token.cancel();
+    }
+
+    #[tokio::test]
+    async fn a_bare_port_answers_on_ipv4_and_ipv6() {
+        let token = CancellationToken::new();
+        let server = Health::new()
+            .bind(SocketAddr::from((Ipv6Addr::UNSPECIFIED, 0)))
+            .await
+            .expect("bind");
+        let port = server.local_addr().port();
+        server.spawn(token.clone());
+        let (code, _) = get(SocketAddr::from((Ipv4Addr::LOCALHOST, port)), "/livez").await;
+        assert_eq!(code, 200, "over IPv4");
+        if std::net::TcpListener::bind((Ipv6Addr::LOCALHOST, 0)).is_ok() {
+            let (code, _) = get(SocketAddr::from((Ipv6Addr::LOCALHOST, port)), "/livez").await;
+            assert_eq!(code, 200, "over IPv6");
+        }
         token.cancel();
     }
 

@@ -45,10 +45,12 @@
 //! 3. `Ok` acks. An error goes through the [`RetryPolicy`]: a retry publishes a copy (body and
 //!    properties kept, `x-redeliver-*` headers updated, `x-death` dropped) through the delay
 //!    levels, waits for the broker's confirm and only then acks the original; if the copy is not
-//!    confirmed the original is requeued (`basic.nack(requeue = true)`). A permanent error, or no
-//!    retries left, or an exhausted retry budget: `basic.reject(requeue = false)`, and the broker
-//!    dead-letters it (x-death reason `rejected`). The final error is logged with the message id
-//!    (event "message dead-lettered").
+//!    confirmed the original is requeued (`basic.reject(requeue = true)`, after a 1 s pause, at
+//!    most [`requeue_limit`](WorkerBuilder::requeue_limit) times). A permanent error, or no
+//!    retries left, or an exhausted retry budget: the message goes to `Q.dlq` the
+//!    [`DeadLetterMode`] says (by default `basic.reject(requeue = false)`, and the broker
+//!    dead-letters it with x-death reason `rejected`). The final error is logged with the message
+//!    id (event "message dead-lettered").
 //!
 //! The worker never holds a delayed message: waiting happens in the broker's delay queues.
 //!
@@ -84,32 +86,44 @@
 //! dead-lettered": reason, error). Metrics go through the [`metrics`] facade (names in
 //! [`metrics_names`]); readiness through [`WorkerStatus`].
 
-#![warn(missing_docs)]
+#![warn(missing_docs, unreachable_pub, missing_debug_implementations)]
+#![forbid(unsafe_code)]
 
+// The delivery path, top-down: `runtime` (reconnect loop) -> `session` (one connection) ->
+// `delivery` (decode, call, outcome) -> `settle` (ack, retry, dead-letter, requeue, repair).
 mod acks;
-pub mod config;
+mod builder;
+mod delivery;
+pub mod env;
+mod error;
 mod handler;
+#[cfg(feature = "health")]
 pub mod health;
 mod meters;
 pub mod metrics_names;
 mod outcome;
 mod requeue;
+mod runtime;
 mod session;
-pub mod status;
-mod worker;
+mod settings;
+mod settle;
+mod shared;
+mod status;
 
-pub use config::{Config, ConfigError, LogFormat};
-pub use handler::{BoxError, Context, DecodeError, FromDelivery, Handler, Json, Raw, Text};
-pub use health::{Health, HealthError, HealthServer};
+pub use builder::WorkerBuilder;
+pub use error::{SettingError, WorkerError};
+pub use handler::{Context, DecodeError, FromDelivery, Handler, Json, Raw, Text};
+pub use runtime::{run_all, run_all_until_signal, Worker};
+pub use settings::{DeadLetterMode, Settings};
 pub use status::{WorkerState, WorkerStatus};
-pub use worker::{
-    run_all, run_all_until_signal, DeadLetterMode, Worker, WorkerBuilder, WorkerError,
-    DEFAULT_CONCURRENCY, DEFAULT_SHUTDOWN_GRACE,
-};
 
-pub use redeliver_amqp::delay::DelayConfig;
-pub use redeliver_amqp::lapin;
-pub use redeliver_amqp::tls::TlsConfig;
-pub use redeliver_amqp::topology::{QueueType, Topology};
-pub use redeliver_core::{Backoff, Classifier, ErrorKind, HandlerError, Jitter, RetryPolicy};
+// What a service needs from the other crates, so it can depend on this one alone; documented
+// where they are defined.
+#[doc(no_inline)]
+pub use redeliver_amqp::{lapin, DelayConfig, QueueType, TlsConfig, Topology};
+#[doc(no_inline)]
+pub use redeliver_core::{
+    Backoff, BoxError, Classifier, ErrorKind, HandlerError, Jitter, RetryPolicy,
+};
+#[doc(no_inline)]
 pub use tokio_util::sync::CancellationToken;

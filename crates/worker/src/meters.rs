@@ -29,7 +29,7 @@ impl Meters {
             settle_failures: metrics::counter!(m::SETTLE_FAILURES, m::LABEL_QUEUE => q()),
             sanitized: metrics::counter!(m::MESSAGES_SANITIZED, m::LABEL_QUEUE => q()),
             handler_duration: metrics::histogram!(m::HANDLER_DURATION, m::LABEL_QUEUE => q()),
-            in_flight: metrics::gauge!(m::IN_FLIGHT, m::LABEL_QUEUE => q()),
+            in_flight: metrics::gauge!(m::HANDLERS_IN_FLIGHT, m::LABEL_QUEUE => q()),
         }
     }
 }

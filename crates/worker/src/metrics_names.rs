@@ -15,8 +15,8 @@
 //! | [`MESSAGES_REQUEUED`] | counter | `queue`, `reason` |
 //! | [`SETTLE_FAILURES`] | counter | `queue` |
 //! | [`HANDLER_DURATION`] | histogram (seconds) | `queue` |
-//! | [`IN_FLIGHT`] | gauge | `queue` |
-//! | [`CONNECTION_STATE`] | gauge (see [`WorkerState::gauge_value`](crate::WorkerState::gauge_value)) | `queue` |
+//! | [`HANDLERS_IN_FLIGHT`] | gauge | `queue` |
+//! | [`CONNECTION_STATE`] | gauge, 1 for the current state | `queue`, `state` |
 //! | [`RECONNECTS`] | counter | `queue` |
 //! | [`DELAY_UNROUTABLE_MESSAGES`] | gauge | `parking_queue` |
 
@@ -35,7 +35,7 @@ pub const MESSAGES_DEAD_LETTERED: &str = "redeliver_messages_dead_lettered_total
 /// to the queue (see [`redeliver_amqp::headers::sanitize_x_death`]); the broker crashes when it
 /// dead-letters such a message.
 pub const MESSAGES_SANITIZED: &str = "redeliver_messages_sanitized_total";
-/// Deliveries the worker gave back to their queue (`basic.nack(requeue = true)`) because the
+/// Deliveries the worker gave back to their queue (`basic.reject(requeue = true)`) because the
 /// broker did not confirm the copy that was to replace them; label `reason` is
 /// [`REASON_RETRY_UNCONFIRMED`], [`REASON_REPAIR_UNCONFIRMED`] or
 /// [`REASON_DEAD_LETTER_UNCONFIRMED`]. Bounded per message by
@@ -48,10 +48,12 @@ pub const SETTLE_FAILURES: &str = "redeliver_settle_failures_total";
 /// Wall time of one handler call, in seconds (decode excluded).
 pub const HANDLER_DURATION: &str = "redeliver_handler_duration_seconds";
 /// Handlers running right now.
-pub const IN_FLIGHT: &str = "redeliver_in_flight";
-/// Connection state of the worker: 0 disconnected, 1 connecting, 2 consuming, 3 draining.
+pub const HANDLERS_IN_FLIGHT: &str = "redeliver_handlers_in_flight";
+/// The worker's state, one series per state (label [`LABEL_STATE`], the lower-case
+/// [`WorkerState`](crate::WorkerState) name): 1 for the current state, 0 for the others.
 pub const CONNECTION_STATE: &str = "redeliver_connection_state";
-/// Connections lost and re-established (counted when a lost session is given up).
+/// Connections re-established after a loss (counted when the worker consumes again, not when it
+/// loses the connection).
 pub const RECONNECTS: &str = "redeliver_reconnects_total";
 /// Messages parked in the delay infrastructure's unroutable queue (their destination queue did not
 /// exist when their delay expired). Polled by the worker every 30 s; shared by every consumer of
@@ -62,8 +64,14 @@ pub const DELAY_UNROUTABLE_MESSAGES: &str = "redeliver_delay_unroutable_messages
 pub const LABEL_QUEUE: &str = "queue";
 /// Label: name of the delay infrastructure's parking queue (one per delay prefix, vhost-wide).
 pub const LABEL_PARKING_QUEUE: &str = "parking_queue";
-/// Label key: the attempt number written on a retry copy.
+/// Label key: the attempt number written on a retry copy, `1` to `9`, then
+/// [`ATTEMPT_TOP_BUCKET`] for every later one (so `max_retries(u32::MAX)` cannot make the
+/// series unbounded).
 pub const LABEL_ATTEMPT: &str = "attempt";
+/// The last value of [`LABEL_ATTEMPT`]: attempts from 10 on.
+pub const ATTEMPT_TOP_BUCKET: &str = "10+";
+/// Label key: a [`WorkerState`](crate::WorkerState) name, on [`CONNECTION_STATE`].
+pub const LABEL_STATE: &str = "state";
 /// Label key: why a message was dead-lettered.
 pub const LABEL_REASON: &str = "reason";
 
@@ -86,3 +94,23 @@ pub const REASON_RETRY_UNCONFIRMED: &str = "retry_unconfirmed";
 pub const REASON_REPAIR_UNCONFIRMED: &str = "repair_unconfirmed";
 /// Requeue reason: the annotated dead letter (`DeadLetterMode::Annotate`) was not confirmed.
 pub const REASON_DEAD_LETTER_UNCONFIRMED: &str = "dead_letter_unconfirmed";
+
+/// The [`LABEL_ATTEMPT`] value of an attempt number.
+pub(crate) fn attempt_label(attempt: u32) -> &'static str {
+    const EXACT: [&str; 10] = ["0", "1", "2", "3", "4", "5", "6", "7", "8", "9"];
+    EXACT
+        .get(attempt as usize)
+        .copied()
+        .unwrap_or(ATTEMPT_TOP_BUCKET)
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn attempt_labels_are_bounded() {
+        assert_eq!(super::attempt_label(1), "1");
+        assert_eq!(super::attempt_label(9), "9");
+        assert_eq!(super::attempt_label(10), super::ATTEMPT_TOP_BUCKET);
+        assert_eq!(super::attempt_label(u32::MAX), super::ATTEMPT_TOP_BUCKET);
+    }
+}

@@ -1,7 +1,8 @@
-//! Pure part of settling a delivery: from the handler's outcome to the broker action, and the
-//! properties of a retry copy. Kept free of I/O so it is unit-tested without a broker.
+//! From a handler's result to the broker action ([`Outcome`]), how settling ended
+//! ([`Settled`]), and the pure parts of a copy (retry state, properties). No I/O.
 
 use std::any::Any;
+use std::fmt;
 use std::time::Duration;
 
 use lapin::types::FieldTable;
@@ -11,57 +12,11 @@ use redeliver_core::{Decision, HandlerError, RetryPolicy};
 
 use crate::metrics_names;
 
-/// How the handler call ended.
-#[derive(Debug)]
-pub(crate) enum HandlerOutcome {
-    /// Returned normally.
-    Completed(Result<(), HandlerError>),
-    /// Panicked; the payload rendered as text.
-    Panicked(String),
-    /// Exceeded the per-message timeout and was dropped.
-    TimedOut(Duration),
-    /// Dropped because the shutdown grace period ran out. Not settled: closing the channel
-    /// returns the message to the queue.
-    Abandoned,
-}
-
-impl HandlerOutcome {
-    /// The error to classify, `Ok(None)` on success, `Err(())` when the delivery must not be
-    /// settled at all (abandoned).
-    pub(crate) fn into_error(self) -> Result<Option<HandlerError>, ()> {
-        match self {
-            HandlerOutcome::Completed(Ok(())) => Ok(None),
-            HandlerOutcome::Completed(Err(e)) => Ok(Some(e)),
-            // A panic is most often a bug that a retry will not fix, but it can also be a
-            // transient condition (an unwrap on a network call); treating it as transient with
-            // bounded retries keeps the message and its panic message for the DLQ.
-            HandlerOutcome::Panicked(msg) => Ok(Some(HandlerError::transient(format!(
-                "handler panicked: {msg}"
-            )))),
-            HandlerOutcome::TimedOut(d) => Ok(Some(HandlerError::transient(format!(
-                "handler timed out after {}",
-                humantime::format_duration(d)
-            )))),
-            HandlerOutcome::Abandoned => Err(()),
-        }
-    }
-}
-
-/// Renders a panic payload (a `&str` or `String` for `panic!` with a message).
-pub(crate) fn panic_message(payload: &(dyn Any + Send)) -> String {
-    if let Some(s) = payload.downcast_ref::<&'static str>() {
-        (*s).to_owned()
-    } else if let Some(s) = payload.downcast_ref::<String>() {
-        s.clone()
-    } else {
-        "non-string panic payload".to_owned()
-    }
-}
-
-/// What to do with the delivery.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub(crate) enum Plan {
-    /// `basic.ack`.
+/// What to do with a delivery: decided from the handler's result (or a decoding failure, or a
+/// malformed header) and carried out by [`crate::settle`].
+#[derive(Clone, Debug, PartialEq)]
+pub(crate) enum Outcome {
+    /// The handler succeeded: `basic.ack`.
     Ack,
     /// Publish a copy through the delay levels, wait for the confirm, then ack.
     Retry {
@@ -70,31 +25,104 @@ pub(crate) enum Plan {
         attempt: u32,
         error: String,
     },
-    /// `basic.reject(requeue = false)`: the broker dead-letters it to the DLX.
+    /// Move it to the DLQ the configured way.
     DeadLetter { reason: &'static str, error: String },
+    /// Republish it with its `x-death` repaired (these headers), then ack the original.
+    Repair(FieldTable),
+    /// The shutdown grace period ran out: leave it unsettled, the broker requeues it when the
+    /// channel closes.
+    Abandon,
 }
 
-/// Maps a failed handler call to a plan through the policy.
-pub(crate) fn plan_failure(policy: &RetryPolicy, state: &RetryState, error: &HandlerError) -> Plan {
-    let message = error.message();
-    match policy.decide(state.attempt, state.delay, error) {
-        Decision::Retry { delay, attempt } => Plan::Retry {
-            delay,
-            attempt,
-            error: message,
-        },
-        Decision::DeadLetter(reason) => Plan::DeadLetter {
-            reason: reason.as_str(),
-            error: message,
-        },
+impl Outcome {
+    /// The outcome of a handler call: `None` when it was abandoned at shutdown, its result
+    /// otherwise (panics and timeouts already turned into transient errors).
+    pub(crate) fn decide(
+        policy: &RetryPolicy,
+        state: &RetryState,
+        result: Option<Result<(), HandlerError>>,
+    ) -> Self {
+        let error = match result {
+            None => return Outcome::Abandon,
+            Some(Ok(())) => return Outcome::Ack,
+            Some(Err(e)) => e,
+        };
+        let message = error.message();
+        match policy.decide(state.attempt, state.delay, &error) {
+            Decision::Retry { delay, attempt } => Outcome::Retry {
+                delay,
+                attempt,
+                error: message,
+            },
+            Decision::DeadLetter(reason) => Outcome::DeadLetter {
+                reason: reason.as_str(),
+                error: message,
+            },
+        }
+    }
+
+    /// A body that cannot be decoded: a poison pill, never retried.
+    pub(crate) fn undecodable(error: &dyn std::error::Error) -> Self {
+        Outcome::DeadLetter {
+            reason: metrics_names::REASON_UNDECODABLE,
+            error: error_chain(error),
+        }
     }
 }
 
-/// The plan for a body that cannot be decoded: a poison pill, never retried.
-pub(crate) fn plan_undecodable(error: &dyn std::error::Error) -> Plan {
-    Plan::DeadLetter {
-        reason: metrics_names::REASON_UNDECODABLE,
-        error: error_chain(error),
+/// The transient error a panicking handler (or decoder) stands for. A panic is most often a bug
+/// that a retry will not fix, but it can also be a transient condition (an unwrap on a network
+/// call); bounded retries keep the message and its panic message for the DLQ.
+pub(crate) fn panicked(payload: &(dyn Any + Send)) -> HandlerError {
+    HandlerError::transient(format!("handler panicked: {}", panic_message(payload)))
+}
+
+/// The transient error of a handler dropped at its time limit.
+pub(crate) fn timed_out(limit: Duration) -> HandlerError {
+    HandlerError::transient(format!(
+        "handler timed out after {}",
+        humantime::format_duration(limit)
+    ))
+}
+
+/// How settling a delivery ended: the `outcome` field of its span.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Settled {
+    Acked,
+    Retried,
+    DeadLettered,
+    /// Republished with a repaired `x-death`, the original acked.
+    Repaired,
+    /// Given back to its queue by the worker.
+    Requeued,
+    /// Left to the broker at shutdown.
+    Abandoned,
+    /// A settlement that did not reach the broker: it redelivers the message.
+    Failed,
+}
+
+impl fmt::Display for Settled {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Settled::Acked => "acked",
+            Settled::Retried => "retried",
+            Settled::DeadLettered => "dead_lettered",
+            Settled::Repaired => "sanitized",
+            Settled::Requeued => "requeued",
+            Settled::Abandoned => "abandoned",
+            Settled::Failed => "settle_failed",
+        })
+    }
+}
+
+/// Renders a panic payload (a `&str` or `String` for `panic!` with a message).
+fn panic_message(payload: &(dyn Any + Send)) -> String {
+    if let Some(s) = payload.downcast_ref::<&'static str>() {
+        (*s).to_owned()
+    } else if let Some(s) = payload.downcast_ref::<String>() {
+        s.clone()
+    } else {
+        "non-string panic payload".to_owned()
     }
 }
 
@@ -210,13 +238,17 @@ mod tests {
             .max_retries(2)
     }
 
+    fn fail(e: HandlerError) -> Option<Result<(), HandlerError>> {
+        Some(Err(e))
+    }
+
     #[test]
     fn transient_errors_retry_until_exhausted() {
         let p = policy();
         let e = HandlerError::transient("down");
         let mut state = RetryState::default();
-        match plan_failure(&p, &state, &e) {
-            Plan::Retry {
+        match Outcome::decide(&p, &state, fail(HandlerError::transient("down"))) {
+            Outcome::Retry {
                 attempt,
                 delay,
                 error,
@@ -229,13 +261,13 @@ mod tests {
         }
         state.attempt = 1;
         assert!(matches!(
-            plan_failure(&p, &state, &e),
-            Plan::Retry { attempt: 2, .. }
+            Outcome::decide(&p, &state, fail(HandlerError::transient("down"))),
+            Outcome::Retry { attempt: 2, .. }
         ));
         state.attempt = 2;
         assert_eq!(
-            plan_failure(&p, &state, &e),
-            Plan::DeadLetter {
+            Outcome::decide(&p, &state, fail(HandlerError::transient("down"))),
+            Outcome::DeadLetter {
                 reason: metrics_names::REASON_RETRIES_EXHAUSTED,
                 error: e.message()
             }
@@ -243,41 +275,33 @@ mod tests {
     }
 
     #[test]
-    fn permanent_and_retry_after() {
+    fn success_abandon_permanent_and_retry_after() {
         let p = policy();
         let state = RetryState::default();
+        assert_eq!(Outcome::decide(&p, &state, Some(Ok(()))), Outcome::Ack);
+        assert_eq!(Outcome::decide(&p, &state, None), Outcome::Abandon);
         assert!(matches!(
-            plan_failure(&p, &state, &HandlerError::permanent("bad")),
-            Plan::DeadLetter {
+            Outcome::decide(&p, &state, fail(HandlerError::permanent("bad"))),
+            Outcome::DeadLetter {
                 reason: metrics_names::REASON_PERMANENT,
                 ..
             }
         ));
         assert!(matches!(
-            plan_failure(&p, &state, &HandlerError::retry_after(Duration::from_secs(7), "later")),
-            Plan::Retry { delay, attempt: 1, .. } if delay == Duration::from_secs(7)
+            Outcome::decide(&p, &state, fail(HandlerError::retry_after(Duration::from_secs(7), "later"))),
+            Outcome::Retry { delay, attempt: 1, .. } if delay == Duration::from_secs(7)
         ));
     }
 
     #[test]
     fn panics_and_timeouts_are_transient() {
-        let e = HandlerOutcome::Panicked("boom".into())
-            .into_error()
-            .unwrap()
-            .unwrap();
+        let r = std::panic::catch_unwind(|| panic!("boom"));
+        let e = panicked(&*r.unwrap_err());
         assert_eq!(e.kind(), redeliver_core::ErrorKind::Transient);
         assert!(e.message().contains("boom"));
-        let e = HandlerOutcome::TimedOut(Duration::from_millis(1500))
-            .into_error()
-            .unwrap()
-            .unwrap();
+        let e = timed_out(Duration::from_millis(1500));
         assert_eq!(e.kind(), redeliver_core::ErrorKind::Transient);
         assert!(e.message().contains("timed out"), "{}", e.message());
-        assert!(HandlerOutcome::Abandoned.into_error().is_err());
-        assert!(HandlerOutcome::Completed(Ok(()))
-            .into_error()
-            .unwrap()
-            .is_none());
     }
 
     #[test]

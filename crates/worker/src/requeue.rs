@@ -1,6 +1,6 @@
 //! Bounds the worker's own requeues.
 //!
-//! The worker gives a message back to its queue (`basic.nack(requeue = true)`) only when it
+//! The worker gives a message back to its queue (`basic.reject(requeue = true)`) only when it
 //! could not make a safe copy: a retry copy or a repaired copy the broker did not confirm. Before
 //! RabbitMQ 4.3 the quorum queue counted each such requeue toward `x-delivery-limit`, so a copy
 //! that can never be confirmed ended in the DLQ by itself; from 4.3 it does not (only a return by
@@ -13,26 +13,24 @@
 use std::collections::hash_map::DefaultHasher;
 use std::collections::{HashMap, VecDeque};
 use std::hash::{Hash, Hasher};
+use std::sync::{Mutex, MutexGuard, PoisonError};
 
-use lapin::message::Delivery;
-
-/// Default number of requeues of one message before the worker dead-letters it.
-pub(crate) const DEFAULT_REQUEUE_LIMIT: u32 = 10;
 /// Messages the ledger remembers at most; far more than ever wait for a requeue at once.
 const CAPACITY: usize = 10_000;
 
 /// Identity of a delivered message across its redeliveries.
-pub(crate) fn identity(delivery: &Delivery) -> u64 {
+pub(crate) fn identity(message_id: &str, routing_key: &str, body: &[u8]) -> u64 {
     let mut h = DefaultHasher::new();
-    delivery
-        .properties
-        .message_id()
-        .as_ref()
-        .map(|s| s.as_str())
-        .hash(&mut h);
-    delivery.routing_key.as_str().hash(&mut h);
-    delivery.data.hash(&mut h);
+    message_id.hash(&mut h);
+    routing_key.hash(&mut h);
+    body.hash(&mut h);
     h.finish()
+}
+
+/// Locks a ledger. A poisoned lock still holds good counts; losing them would unbound the
+/// requeues.
+pub(crate) fn lock(ledger: &Mutex<RequeueLedger>) -> MutexGuard<'_, RequeueLedger> {
+    ledger.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
 /// How often each message was requeued by this worker.
@@ -66,12 +64,9 @@ impl RequeueLedger {
         }
     }
 
-    /// Forgets `delivery`'s message, which just left the queue for good (its replacement was
-    /// confirmed). Hashes the body only when anything is remembered at all.
-    pub(crate) fn settled(&mut self, delivery: &Delivery) {
-        if !self.counts.is_empty() {
-            self.forget(identity(delivery));
-        }
+    /// Nothing remembered: a confirmed copy need not hash its body to forget it.
+    pub(crate) fn is_empty(&self) -> bool {
+        self.counts.is_empty()
     }
 
     /// Messages remembered.

@@ -27,16 +27,15 @@ pub enum WorkerState {
 }
 
 impl WorkerState {
-    /// Value of the [`CONNECTION_STATE`](metrics_names::CONNECTION_STATE) gauge:
-    /// 0 disconnected (starting, stopped), 1 connecting (or reconnecting), 2 consuming, 3 draining.
-    pub fn gauge_value(self) -> f64 {
-        match self {
-            WorkerState::Starting | WorkerState::Stopped => 0.0,
-            WorkerState::Connecting | WorkerState::Reconnecting => 1.0,
-            WorkerState::Consuming => 2.0,
-            WorkerState::Draining => 3.0,
-        }
-    }
+    /// Every state, in the order a worker goes through them.
+    pub const ALL: [WorkerState; 6] = [
+        WorkerState::Starting,
+        WorkerState::Connecting,
+        WorkerState::Consuming,
+        WorkerState::Reconnecting,
+        WorkerState::Draining,
+        WorkerState::Stopped,
+    ];
 
     /// Lower-case name, for logs and health responses.
     pub fn as_str(self) -> &'static str {
@@ -189,8 +188,15 @@ impl StatusSender {
         // send_if_modified, not send: send fails when no receiver exists (nobody may be
         // watching), and watchers should wake only on a real change.
         // The gauge first: a watcher woken by the change must already read the new value.
-        metrics::gauge!(metrics_names::CONNECTION_STATE, metrics_names::LABEL_QUEUE => self.queue_label())
-            .set(state.gauge_value());
+        let queue = self.queue_label();
+        for s in WorkerState::ALL {
+            metrics::gauge!(
+                metrics_names::CONNECTION_STATE,
+                metrics_names::LABEL_QUEUE => queue.clone(),
+                metrics_names::LABEL_STATE => s.as_str()
+            )
+            .set(if s == state { 1.0 } else { 0.0 });
+        }
         let mut previous = state;
         self.tx.send_if_modified(|current| {
             previous = *current;

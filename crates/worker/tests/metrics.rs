@@ -143,8 +143,10 @@ async fn counters_match_what_happened() {
     let (_names, conn, topo, queue) =
         fixture("metrics", QueueType::Classic, 6, QueueType::Classic).await;
     let token = CancellationToken::new();
+    let conn_name = format!("metrics-{queue}");
     let builder = Worker::builder(amqp_url())
         .topology(topo.clone())
+        .connection_name(conn_name.clone())
         .policy(
             RetryPolicy::constant(Duration::from_millis(20))
                 .jitter(Jitter::None)
@@ -164,10 +166,12 @@ async fn counters_match_what_happened() {
         .await
         .expect("consuming");
     let q = format!("queue={queue}");
-    let state = rec
-        .get(&format!("{}{{{q}}}", m::CONNECTION_STATE))
-        .expect("state gauge");
-    assert_eq!(*state.gauge.lock().unwrap(), 2.0, "consuming");
+    for (state, value) in [("consuming", 1.0), ("connecting", 0.0), ("draining", 0.0)] {
+        let gauge = rec
+            .get(&format!("{}{{{q},state={state}}}", m::CONNECTION_STATE))
+            .expect("state gauge");
+        assert_eq!(*gauge.gauge.lock().unwrap(), value, "{state}");
+    }
 
     publish_all(
         &conn,
@@ -214,10 +218,33 @@ async fn counters_match_what_happened() {
         4,
         "one per handler call (not for the undecodable body)"
     );
-    let in_flight = rec.get(&format!("{}{{{q}}}", m::IN_FLIGHT)).unwrap();
+    let in_flight = rec
+        .get(&format!("{}{{{q}}}", m::HANDLERS_IN_FLIGHT))
+        .unwrap();
     assert_eq!(*in_flight.gauge.lock().unwrap(), 0.0);
+
+    // A lost connection counts as a reconnect once the worker consumes again.
+    let reconnects = format!("{}{{{q}}}", m::RECONNECTS);
+    assert_eq!(count(reconnects.clone()), 0);
+    await_listed_connection(&conn_name).await;
+    force_close_connection(&conn_name).await;
+    assert!(
+        eventually(Duration::from_secs(20), || count(reconnects.clone()) == 1).await,
+        "one reconnect counted"
+    );
+    status
+        .wait_for_timeout(Duration::from_secs(20), |s| *s == WorkerState::Consuming)
+        .await
+        .expect("consuming again");
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_eq!(count(reconnects), 1);
 
     token.cancel();
     run.await.unwrap().unwrap();
-    assert_eq!(*state.gauge.lock().unwrap(), 0.0, "stopped");
+    for (state, value) in [("stopped", 1.0), ("consuming", 0.0)] {
+        let gauge = rec
+            .get(&format!("{}{{{q},state={state}}}", m::CONNECTION_STATE))
+            .expect("state gauge");
+        assert_eq!(*gauge.gauge.lock().unwrap(), value, "{state}");
+    }
 }

@@ -4,7 +4,6 @@
 
 use proptest::prelude::*;
 use redeliver_amqp::url::{redact, BrokerUrl};
-use redeliver_worker::config::Config;
 use redeliver_worker::{Context, HandlerError, Raw, Worker};
 
 /// A password of at least 6 characters, from a mix that URL parsers trip on.
@@ -70,9 +69,11 @@ proptest! {
             prop_assert!(!leaks(&format!("{e} {e:?}"), &secret), "{e}");
         }
         // The environment.
-        match Config::from_lookup(|name| (name == "AMQP_URL").then(|| url.clone())) {
+        match Worker::builder("amqp://127.0.0.1/%2f")
+            .env_from(|name| (name == "AMQP_URL").then(|| url.clone()))
+        {
             Ok(cfg) => {
-                let shown = format!("{cfg:?} {}", cfg.redacted_url());
+                let shown = format!("{cfg:?} {:?}", cfg.settings());
                 prop_assert!(!leaks(&shown, &secret), "{}", shown);
             }
             Err(e) => prop_assert!(!leaks(&format!("{e} {e:?}"), &secret), "{e}"),

@@ -1,0 +1,174 @@
+//! One delivery, from the consume loop to its settlement: decode, call the handler, decide the
+//! [`Outcome`], [settle](crate::settle) it.
+
+use std::future::Future;
+use std::panic::AssertUnwindSafe;
+use std::sync::Arc;
+use std::time::Instant;
+
+use futures::FutureExt;
+use lapin::message::Delivery;
+use redeliver_amqp::headers::{self, RetryState};
+use redeliver_core::HandlerError;
+use tokio::sync::OwnedSemaphorePermit;
+use tracing::{debug, info_span, Instrument, Span};
+
+use crate::handler::{Context, HandlerFuture};
+use crate::outcome::{self, Outcome};
+use crate::settle::{Link, Message, Settle};
+use crate::shared::Shared;
+
+/// Starts handling `delivery`, which holds one of the worker's concurrency permits until it is
+/// settled.
+///
+/// The task is polled once here before it becomes a task: a delivery whose handler finishes
+/// without waiting (a filter, an in-memory update) is settled on the spot, which spares a task
+/// and often a wake-up of another runtime thread to steal it. One that waits is spawned, and
+/// its first poll as a task registers the real waker.
+pub(crate) fn start(
+    worker: &Arc<Shared>,
+    link: &Arc<Link>,
+    delivery: Delivery,
+    permit: OwnedSemaphorePermit,
+) {
+    link.acks.register(delivery.delivery_tag);
+    let task = DeliveryTask {
+        worker: Arc::clone(worker),
+        link: Arc::clone(link),
+        delivery: Arc::new(delivery),
+        _permit: permit,
+    };
+    let mut run = Box::pin(task.run());
+    let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+    if run.as_mut().poll(&mut cx).is_pending() {
+        worker.tracker.spawn(run);
+    }
+}
+
+struct DeliveryTask {
+    worker: Arc<Shared>,
+    link: Arc<Link>,
+    /// Shared with the handler's [`Context`], which reads its properties without a copy.
+    delivery: Arc<Delivery>,
+    _permit: OwnedSemaphorePermit,
+}
+
+impl DeliveryTask {
+    async fn run(self) {
+        let state = RetryState::read(self.delivery.properties.headers().as_ref());
+        let span = info_span!(
+            "delivery",
+            queue = %self.worker.config.queue,
+            message_id = %Message::of(&self.delivery, &state).message_id,
+            attempt = state.attempt,
+            redelivered = self.delivery.redelivered,
+            delivery_tag = self.delivery.delivery_tag,
+            outcome = tracing::field::Empty,
+            duration_ms = tracing::field::Empty,
+            reason = tracing::field::Empty,
+            error = tracing::field::Empty,
+        );
+        self.process(state).instrument(span).await;
+    }
+
+    async fn process(self, state: RetryState) {
+        let meters = &self.link.meters;
+        let _in_flight = InFlight::enter(&meters.in_flight);
+        let started = Instant::now();
+        meters.received.increment(1);
+        let outcome = self.outcome(&state).await;
+        let settled = Settle {
+            broker: self.link.broker(&self.delivery),
+            rules: &self.link.rules,
+            message: Message::of(&self.delivery, &state),
+            meters,
+            requeues: &self.worker.requeues,
+            hard_stop: &self.worker.hard_stop,
+        }
+        .run(outcome)
+        .await;
+        let elapsed_ms = started.elapsed().as_millis() as u64;
+        let span = Span::current();
+        span.record("outcome", tracing::field::display(settled));
+        span.record("duration_ms", elapsed_ms);
+        debug!(outcome = %settled, duration_ms = elapsed_ms, "delivery done");
+    }
+
+    /// What to do with the delivery.
+    async fn outcome(&self, state: &RetryState) -> Outcome {
+        if let Some(repaired) =
+            headers::sanitize_x_death(self.delivery.properties.headers().as_ref())
+        {
+            // Before anything can make the broker dead-letter it (a reject, or a quorum queue's
+            // delivery limit): RabbitMQ crashes reading such a header.
+            return Outcome::Repair(repaired);
+        }
+        let config = &self.worker.config;
+        if state.attempt == 0 {
+            // Fresh message: a deposit in the retry budget (retries withdraw).
+            config.settings.policy.record_attempt();
+        }
+        let ctx = Context::new(
+            Arc::clone(&self.link.queue),
+            Arc::clone(&self.delivery),
+            state.clone(),
+            self.worker.draining.clone(),
+        );
+        // A user decoder may panic too; the task must survive to settle the delivery.
+        let prepared = std::panic::catch_unwind(AssertUnwindSafe(|| {
+            config.handler.prepare(&self.delivery, ctx)
+        }));
+        let result = match prepared {
+            Ok(Err(decode)) => return Outcome::undecodable(&decode),
+            Ok(Ok(fut)) => {
+                let handler_started = Instant::now();
+                let result = self.call(fut).await;
+                self.link
+                    .meters
+                    .handler_duration
+                    .record(handler_started.elapsed().as_secs_f64());
+                result
+            }
+            Err(panic) => Some(Err(outcome::panicked(&*panic))),
+        };
+        Outcome::decide(&config.settings.policy, state, result)
+    }
+
+    /// Runs the handler future with panic catching, the optional timeout, and the hard stop;
+    /// `None` when the shutdown grace period ended it.
+    async fn call(&self, fut: HandlerFuture) -> Option<Result<(), HandlerError>> {
+        let timeout = self.worker.config.settings.handler_timeout;
+        let guarded = async move {
+            let caught = AssertUnwindSafe(fut).catch_unwind();
+            let caught = match timeout {
+                Some(d) => match tokio::time::timeout(d, caught).await {
+                    Ok(r) => r,
+                    Err(_) => return Err(outcome::timed_out(d)),
+                },
+                None => caught.await,
+            };
+            caught.unwrap_or_else(|panic| Err(outcome::panicked(&*panic)))
+        };
+        tokio::select! {
+            biased;
+            r = guarded => Some(r),
+            _ = self.worker.hard_stop.cancelled() => None,
+        }
+    }
+}
+
+/// Keeps the in-flight gauge right on every exit path, panics included.
+struct InFlight<'a>(&'a metrics::Gauge);
+
+impl<'a> InFlight<'a> {
+    fn enter(gauge: &'a metrics::Gauge) -> Self {
+        gauge.increment(1.0);
+        Self(gauge)
+    }
+}
+
+impl Drop for InFlight<'_> {
+    fn drop(&mut self) {
+        self.0.decrement(1.0);
+    }
+}

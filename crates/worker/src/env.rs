@@ -1,0 +1,756 @@
+//! The environment layer, for containers: the variables below write into a
+//! [`WorkerBuilder`]'s [`Settings`](crate::Settings), the same ones its methods set.
+//!
+//! | variable | builder method / use | format |
+//! |---|---|---|
+//! | `AMQP_URL` | the URL of [`Worker::builder`](crate::Worker::builder), then [`failover_urls`](WorkerBuilder::failover_urls) | `amqp://user:pass@host:5672/vhost` (vhost `/` is `%2f`); several separated by `;` (as Celery's `broker_url`) |
+//! | `AMQP_URL_FILE` | instead of `AMQP_URL`: a file holding it (a Kubernetes secret mounted as a file) | path |
+//! | `AMQP_PASSWORD_FILE` | the password of every URL, from a file (the URL then carries none) | path |
+//! | `REDELIVER_TLS_CA_FILE` | [`tls`](WorkerBuilder::tls): [`TlsConfig::ca_file`](crate::TlsConfig::ca_file) | PEM file of CA certificates, trusted next to the system's |
+//! | `REDELIVER_TLS_CERT_FILE`, `REDELIVER_TLS_KEY_FILE` | [`TlsConfig::client_cert`](crate::TlsConfig::client_cert) (mutual TLS; both or neither) | PEM files |
+//! | `REDELIVER_TLS_SASL_EXTERNAL` | [`TlsConfig::sasl_external`](crate::TlsConfig::sasl_external) | `true`/`false` |
+//! | `REDELIVER_QUEUE` | [`queue`](WorkerBuilder::queue) | queue name |
+//! | `REDELIVER_PREFIX` | [`prefix`](WorkerBuilder::prefix) | name prefix of every object |
+//! | `REDELIVER_PREFETCH` | [`prefetch`](WorkerBuilder::prefetch) | integer 1..=65535 |
+//! | `REDELIVER_CONCURRENCY` | [`concurrency`](WorkerBuilder::concurrency) | integer ≥ 1 |
+//! | `REDELIVER_GRACE_PERIOD` | [`shutdown_grace`](WorkerBuilder::shutdown_grace) | a duration: `25s`, `500ms`, `1m 30s` |
+//! | `REDELIVER_HANDLER_TIMEOUT` | [`handler_timeout`](WorkerBuilder::handler_timeout) | a duration; `0s` = none |
+//! | `REDELIVER_VERIFY_ONLY` | [`verify_only`](WorkerBuilder::verify_only) | `true`/`false` (`1`/`0`, `yes`/`no`) |
+//! | `REDELIVER_DEAD_LETTER_MODE` | [`dead_letter_mode`](WorkerBuilder::dead_letter_mode) | `reject` or `annotate` ([`DeadLetterMode`](crate::DeadLetterMode)) |
+//! | `REDELIVER_CONNECTION_NAME` | [`connection_name`](WorkerBuilder::connection_name) | text |
+//! | `REDELIVER_MAX_RETRIES` | the [`policy`](WorkerBuilder::policy)'s [`max_retries`](crate::RetryPolicy::max_retries) | integer |
+//! | `REDELIVER_RETRY_BASE` | the policy's [`base`](crate::RetryPolicy::base) | a duration |
+//! | `REDELIVER_RETRY_CAP` | the policy's [`cap`](crate::RetryPolicy::cap) | a duration |
+//! | `REDELIVER_HEALTH_ADDR` | [`ServiceConfig::health_addr`]: the health server's address | `0.0.0.0:8080`, `[::1]:8080`, or a bare port `8080` (every IPv4 and IPv6 address); unset: no server |
+//! | `REDELIVER_LOG_FORMAT` | [`ServiceConfig::log_format`] | `json` or `pretty` (default) |
+//! | `RUST_LOG` | [`ServiceConfig::log_filter`] | `tracing` filter directives (default `info`) |
+//!
+//! A variable that is not set leaves the setting as the code (or the default, see
+//! [`WorkerBuilder`'s defaults](WorkerBuilder#defaults)) had it. An empty variable counts as
+//! unset (manifests often template `value: ""`). A bad value is an error naming the variable,
+//! its value and what was expected, so a misconfigured pod fails at startup instead of running
+//! with a default nobody chose.
+//!
+//! The last three are the process's, not a worker's: [`ServiceConfig`] reads them, and the
+//! service sets up its health server and `tracing-subscriber` with them (the worker crate
+//! installs no logger).
+//!
+//! ```no_run
+//! use std::time::Duration;
+//! use redeliver_worker::{Context, HandlerError, Raw, RetryPolicy, Worker};
+//!
+//! # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
+//! Worker::builder("amqp://guest:guest@127.0.0.1:5672/%2f")
+//!     // Code sets the defaults; the environment overrides them; later calls override both.
+//!     .queue("images")
+//!     .policy(RetryPolicy::exponential(Duration::from_millis(200)).max_retries(5))
+//!     .env()?
+//!     .handler(|_m: Raw, _c: Context| async move { Ok::<(), HandlerError>(()) })
+//!     .run_until_signal()
+//!     .await?;
+//! # Ok(()) }
+//! ```
+
+use std::net::{Ipv6Addr, SocketAddr};
+use std::str::FromStr;
+use std::time::Duration;
+
+use redeliver_amqp::url::{self, BrokerUrl};
+#[cfg(test)]
+use redeliver_core::RetryPolicy;
+
+use crate::{Worker, WorkerBuilder};
+
+/// `AMQP_URL`: the broker URL, or several separated by `;` (cluster nodes, tried in turn).
+pub const AMQP_URL: &str = "AMQP_URL";
+/// `AMQP_URL_FILE`: a file holding what `AMQP_URL` would (mutually exclusive with it).
+pub const AMQP_URL_FILE: &str = "AMQP_URL_FILE";
+/// `AMQP_PASSWORD_FILE`: a file holding the broker password, put into every URL.
+pub const AMQP_PASSWORD_FILE: &str = "AMQP_PASSWORD_FILE";
+/// `REDELIVER_TLS_CA_FILE`: CA certificates (PEM) to trust for `amqps://`.
+pub const TLS_CA_FILE: &str = "REDELIVER_TLS_CA_FILE";
+/// `REDELIVER_TLS_CERT_FILE`: client certificate (PEM) for mutual TLS.
+pub const TLS_CERT_FILE: &str = "REDELIVER_TLS_CERT_FILE";
+/// `REDELIVER_TLS_KEY_FILE`: the client certificate's private key (PEM).
+pub const TLS_KEY_FILE: &str = "REDELIVER_TLS_KEY_FILE";
+/// `REDELIVER_TLS_SASL_EXTERNAL`: log in with the client certificate (SASL EXTERNAL).
+pub const TLS_SASL_EXTERNAL: &str = "REDELIVER_TLS_SASL_EXTERNAL";
+/// `REDELIVER_DEAD_LETTER_MODE`: `reject` (default) or `annotate`.
+pub const DEAD_LETTER_MODE: &str = "REDELIVER_DEAD_LETTER_MODE";
+/// `REDELIVER_QUEUE`: the queue to consume.
+pub const QUEUE: &str = "REDELIVER_QUEUE";
+/// `REDELIVER_PREFIX`: prefix of every object's name.
+pub const PREFIX: &str = "REDELIVER_PREFIX";
+/// `REDELIVER_PREFETCH`: per-consumer prefetch.
+pub const PREFETCH: &str = "REDELIVER_PREFETCH";
+/// `REDELIVER_CONCURRENCY`: handlers running at once.
+pub const CONCURRENCY: &str = "REDELIVER_CONCURRENCY";
+/// `REDELIVER_GRACE_PERIOD`: shutdown grace period.
+pub const GRACE_PERIOD: &str = "REDELIVER_GRACE_PERIOD";
+/// `REDELIVER_HANDLER_TIMEOUT`: per-message handler time limit.
+pub const HANDLER_TIMEOUT: &str = "REDELIVER_HANDLER_TIMEOUT";
+/// `REDELIVER_VERIFY_ONLY`: verify the topology instead of declaring it.
+pub const VERIFY_ONLY: &str = "REDELIVER_VERIFY_ONLY";
+/// `REDELIVER_CONNECTION_NAME`: connection name shown in the management UI.
+pub const CONNECTION_NAME: &str = "REDELIVER_CONNECTION_NAME";
+/// `REDELIVER_MAX_RETRIES`: retries per message before dead-lettering.
+pub const MAX_RETRIES: &str = "REDELIVER_MAX_RETRIES";
+/// `REDELIVER_RETRY_BASE`: first backoff delay.
+pub const RETRY_BASE: &str = "REDELIVER_RETRY_BASE";
+/// `REDELIVER_RETRY_CAP`: largest backoff delay.
+pub const RETRY_CAP: &str = "REDELIVER_RETRY_CAP";
+/// `REDELIVER_HEALTH_ADDR`: listen address of the health server.
+pub const HEALTH_ADDR: &str = "REDELIVER_HEALTH_ADDR";
+/// `REDELIVER_LOG_FORMAT`: `json` or `pretty`.
+pub const LOG_FORMAT: &str = "REDELIVER_LOG_FORMAT";
+/// `RUST_LOG`: log filter.
+pub const RUST_LOG: &str = "RUST_LOG";
+
+/// Every variable this module reads.
+pub const VARIABLES: &[&str] = &[
+    AMQP_URL,
+    AMQP_URL_FILE,
+    AMQP_PASSWORD_FILE,
+    TLS_CA_FILE,
+    TLS_CERT_FILE,
+    TLS_KEY_FILE,
+    TLS_SASL_EXTERNAL,
+    DEAD_LETTER_MODE,
+    QUEUE,
+    PREFIX,
+    PREFETCH,
+    CONCURRENCY,
+    GRACE_PERIOD,
+    HANDLER_TIMEOUT,
+    VERIFY_ONLY,
+    CONNECTION_NAME,
+    MAX_RETRIES,
+    RETRY_BASE,
+    RETRY_CAP,
+    HEALTH_ADDR,
+    LOG_FORMAT,
+    RUST_LOG,
+];
+
+/// Variables of earlier versions, refused when set (with the one to use instead), so that a
+/// manifest written for them does not silently run with defaults.
+pub const REPLACED: &[(&str, &str)] = &[
+    ("REDELIVER_GRACE_PERIOD_SECS", GRACE_PERIOD),
+    ("REDELIVER_HANDLER_TIMEOUT_SECS", HANDLER_TIMEOUT),
+    ("REDELIVER_RETRY_BASE_MS", RETRY_BASE),
+    ("REDELIVER_RETRY_CAP_MS", RETRY_CAP),
+];
+
+/// Default of `AMQP_URL`: a local broker with the default account.
+pub const DEFAULT_AMQP_URL: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
+/// Default of `RUST_LOG`.
+pub const DEFAULT_LOG_FILTER: &str = "info";
+
+/// A variable with a value that cannot be used.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("invalid {var}={value:?}: {reason}")]
+pub struct ConfigError {
+    var: &'static str,
+    value: String,
+    reason: String,
+}
+
+impl ConfigError {
+    fn new(var: &'static str, value: &str, reason: impl Into<String>) -> Self {
+        Self {
+            var,
+            value: value.to_owned(),
+            reason: reason.into(),
+        }
+    }
+
+    /// The variable's name.
+    pub fn var(&self) -> &'static str {
+        self.var
+    }
+
+    /// The value found (a URL's password is masked).
+    pub fn value(&self) -> &str {
+        &self.value
+    }
+
+    /// What was expected.
+    pub fn reason(&self) -> &str {
+        &self.reason
+    }
+}
+
+/// Log output format, from `REDELIVER_LOG_FORMAT`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum LogFormat {
+    /// Human-readable lines (the default).
+    #[default]
+    Pretty,
+    /// One JSON object per line, for log collectors.
+    Json,
+}
+
+impl FromStr for LogFormat {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "pretty" | "text" => Ok(LogFormat::Pretty),
+            "json" => Ok(LogFormat::Json),
+            _ => Err("expected `json` or `pretty`".into()),
+        }
+    }
+}
+
+/// The process-wide settings of a service, from the environment: where the health server
+/// listens and how to log.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct ServiceConfig {
+    /// `REDELIVER_HEALTH_ADDR`; `None` means no health server.
+    pub health_addr: Option<SocketAddr>,
+    /// `REDELIVER_LOG_FORMAT`.
+    pub log_format: LogFormat,
+    /// `RUST_LOG`, or [`DEFAULT_LOG_FILTER`].
+    pub log_filter: String,
+}
+
+impl Default for ServiceConfig {
+    /// What an empty environment gives.
+    fn default() -> Self {
+        Self {
+            health_addr: None,
+            log_format: LogFormat::default(),
+            log_filter: DEFAULT_LOG_FILTER.to_owned(),
+        }
+    }
+}
+
+impl ServiceConfig {
+    /// Reads `REDELIVER_HEALTH_ADDR`, `REDELIVER_LOG_FORMAT` and `RUST_LOG`.
+    ///
+    /// # Errors
+    ///
+    /// The first variable whose value is not valid (not Unicode included).
+    pub fn from_env() -> Result<Self, ConfigError> {
+        Self::read(&process_env)
+    }
+
+    /// The same, through `lookup` instead of the environment.
+    ///
+    /// ```
+    /// use redeliver_worker::env::{LogFormat, ServiceConfig};
+    /// let cfg = ServiceConfig::from_lookup(|n| (n == "REDELIVER_LOG_FORMAT").then(|| "json".into()))
+    ///     .unwrap();
+    /// assert_eq!(cfg.log_format, LogFormat::Json);
+    /// assert_eq!(cfg.health_addr, None);
+    /// ```
+    pub fn from_lookup(lookup: impl Fn(&str) -> Option<String>) -> Result<Self, ConfigError> {
+        Self::read(&|name| Ok(lookup(name)))
+    }
+
+    fn read(get: &Source<'_>) -> Result<Self, ConfigError> {
+        let var = |name| nonempty(get, name);
+        let mut cfg = ServiceConfig {
+            health_addr: parse(HEALTH_ADDR, var(HEALTH_ADDR)?, socket_addr)?,
+            ..ServiceConfig::default()
+        };
+        if let Some(v) = var(LOG_FORMAT)? {
+            cfg.log_format = v
+                .parse()
+                .map_err(|reason: String| ConfigError::new(LOG_FORMAT, &v, reason))?;
+        }
+        if let Some(v) = var(RUST_LOG)? {
+            cfg.log_filter = v;
+        }
+        Ok(cfg)
+    }
+}
+
+impl WorkerBuilder {
+    /// A builder from the environment alone: the default URL
+    /// (`amqp://guest:guest@127.0.0.1:5672/%2f`) unless `AMQP_URL` says otherwise, then
+    /// [`env`](Self::env). Set the queue and handler in code as usual.
+    ///
+    /// ```no_run
+    /// # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
+    /// use redeliver_worker::{Context, HandlerError, Raw, WorkerBuilder};
+    /// WorkerBuilder::from_env()?
+    ///     .queue("images")
+    ///     .handler(|_m: Raw, _c: Context| async move { Ok::<(), HandlerError>(()) })
+    ///     .run_until_signal()
+    ///     .await?;
+    /// # Ok(()) }
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// See [`env`](Self::env).
+    pub fn from_env() -> Result<WorkerBuilder, ConfigError> {
+        Worker::builder(DEFAULT_AMQP_URL).env()
+    }
+
+    /// Writes the [variables](crate::env) that are set into this builder's settings, over what
+    /// was set before; methods called afterwards override the environment.
+    ///
+    /// # Errors
+    ///
+    /// The first variable whose value is not valid (not Unicode included); a URL's password is
+    /// never in the error.
+    pub fn env(self) -> Result<Self, ConfigError> {
+        self.read_env(&process_env)
+    }
+
+    /// [`env`](Self::env), reading through `lookup` instead of the process environment (tests,
+    /// or a configuration source of your own).
+    ///
+    /// ```
+    /// use redeliver_worker::Worker;
+    /// let vars = [("REDELIVER_PREFETCH", "64"), ("REDELIVER_QUEUE", "images")];
+    /// let builder = Worker::builder("amqp://127.0.0.1:5672/%2f")
+    ///     .env_from(|name| vars.iter().find(|(k, _)| *k == name).map(|(_, v)| v.to_string()))
+    ///     .unwrap();
+    /// assert_eq!(builder.settings().prefetch(), Some(64));
+    /// assert_eq!(builder.settings().queue(), Some("images"));
+    ///
+    /// let err = Worker::builder("amqp://127.0.0.1:5672/%2f")
+    ///     .env_from(|name| (name == "REDELIVER_CONCURRENCY").then(|| "lots".into()))
+    ///     .unwrap_err();
+    /// assert_eq!(err.var(), "REDELIVER_CONCURRENCY");
+    /// ```
+    pub fn env_from(self, lookup: impl Fn(&str) -> Option<String>) -> Result<Self, ConfigError> {
+        self.read_env(&|name| Ok(lookup(name)))
+    }
+
+    fn read_env(mut self, get: &Source<'_>) -> Result<Self, ConfigError> {
+        let var = |name| nonempty(get, name);
+        let s = self.settings_mut();
+        let file = |name: &'static str, what: &'static str, path: String| {
+            url::read_secret_file(what, std::path::Path::new(&path))
+                .map_err(|e| ConfigError::new(name, &path, e.to_string()))
+        };
+        let (url_var, mut urls) = match (var(AMQP_URL)?, var(AMQP_URL_FILE)?) {
+            (Some(_), Some(_)) => {
+                return Err(ConfigError::new(
+                    AMQP_URL_FILE,
+                    "(set)",
+                    "set AMQP_URL or AMQP_URL_FILE, not both",
+                ))
+            }
+            (Some(v), None) => (AMQP_URL, Some(v)),
+            (None, Some(path)) => (
+                AMQP_URL_FILE,
+                Some(file(AMQP_URL_FILE, "the broker URL", path)?),
+            ),
+            (None, None) => (AMQP_URL, None),
+        };
+        if let Some(path) = var(AMQP_PASSWORD_FILE)? {
+            let password = file(AMQP_PASSWORD_FILE, "the broker password", path)?;
+            let base = match urls {
+                Some(u) => u,
+                None => std::iter::once(s.url.as_str())
+                    .chain(s.failover_urls.iter().map(String::as_str))
+                    .collect::<Vec<_>>()
+                    .join(";"),
+            };
+            urls = Some(url::with_password(&base, &password));
+        }
+        if let Some(value) = urls {
+            // Parsing refuses amqps:// in a build without TLS, and never echoes a password.
+            BrokerUrl::parse_list(&value).map_err(|e| {
+                ConfigError::new(
+                    url_var,
+                    &url::redact(&value),
+                    format!("{e}; several URLs are separated by `;`"),
+                )
+            })?;
+            let mut raw = url::split_list(&value)
+                .into_iter()
+                .map(str::trim)
+                .filter(|u| !u.is_empty())
+                .map(str::to_owned);
+            if let Some(first) = raw.next() {
+                s.url = first;
+                s.failover_urls = raw.collect();
+            }
+        }
+        // Only variables that are set replace the TLS settings made in code.
+        let mut tls = s.tls.clone();
+        let mut tls_set = false;
+        if let Some(p) = var(TLS_CA_FILE)? {
+            tls = tls.ca_file(p.trim());
+            tls_set = true;
+        }
+        match (var(TLS_CERT_FILE)?, var(TLS_KEY_FILE)?) {
+            (Some(c), Some(k)) => {
+                tls = tls.client_cert(c.trim(), k.trim());
+                tls_set = true;
+            }
+            (None, None) => {}
+            (Some(c), None) => {
+                return Err(ConfigError::new(
+                    TLS_CERT_FILE,
+                    &c,
+                    "also set REDELIVER_TLS_KEY_FILE (the certificate's private key)",
+                ))
+            }
+            (None, Some(k)) => {
+                return Err(ConfigError::new(
+                    TLS_KEY_FILE,
+                    &k,
+                    "also set REDELIVER_TLS_CERT_FILE (the client certificate)",
+                ))
+            }
+        }
+        if let Some(yes) = parse(TLS_SASL_EXTERNAL, var(TLS_SASL_EXTERNAL)?, boolean)? {
+            tls = tls.sasl_external(yes);
+            tls_set = true;
+        }
+        if tls_set {
+            s.tls = tls;
+        }
+        if let Some(mode) = parse(DEAD_LETTER_MODE, var(DEAD_LETTER_MODE)?, |v| v.parse())? {
+            s.dead_letter_mode = mode;
+        }
+        if let Some(q) = var(QUEUE)? {
+            s.queue = Some(q.trim().to_owned());
+        }
+        // Not trimmed: a prefix is taken literally (it may end with a separator like `-`).
+        if let Some(p) = var(PREFIX)? {
+            s.prefix = Some(p);
+        }
+        if let Some(n) = parse(PREFETCH, var(PREFETCH)?, |v| match v.parse::<u16>() {
+            Ok(0) | Err(_) => Err("expected an integer from 1 to 65535".to_owned()),
+            Ok(n) => Ok(n),
+        })? {
+            s.prefetch = Some(n);
+        }
+        if let Some(n) = parse(CONCURRENCY, var(CONCURRENCY)?, |v| {
+            match v.parse::<usize>() {
+                Ok(0) | Err(_) => Err("expected an integer of at least 1".to_owned()),
+                Ok(n) => Ok(n),
+            }
+        })? {
+            s.concurrency = n;
+        }
+        for (old, new) in REPLACED {
+            if let Some(v) = var(old)? {
+                return Err(ConfigError::new(
+                    old,
+                    &v,
+                    format!("no longer read: set {new} instead, to a duration with its unit (`25s`, `250ms`)"),
+                ));
+            }
+        }
+        if let Some(d) = parse(GRACE_PERIOD, var(GRACE_PERIOD)?, duration)? {
+            s.shutdown_grace = d;
+        }
+        if let Some(d) = parse(HANDLER_TIMEOUT, var(HANDLER_TIMEOUT)?, duration)? {
+            s.handler_timeout = (!d.is_zero()).then_some(d);
+        }
+        if let Some(v) = parse(VERIFY_ONLY, var(VERIFY_ONLY)?, boolean)? {
+            s.verify_only = v;
+        }
+        if let Some(n) = var(CONNECTION_NAME)? {
+            s.connection_name = Some(n.trim().to_owned());
+        }
+        if let Some(n) = parse(MAX_RETRIES, var(MAX_RETRIES)?, |v| {
+            v.parse::<u32>()
+                .map_err(|_| "expected a non-negative integer".to_owned())
+        })? {
+            s.policy = s.policy.clone().max_retries(n);
+        }
+        if let Some(d) = parse(RETRY_BASE, var(RETRY_BASE)?, duration)? {
+            s.policy = s.policy.clone().base(d);
+        }
+        if let Some(d) = parse(RETRY_CAP, var(RETRY_CAP)?, duration)? {
+            s.policy = s.policy.clone().cap(d);
+        }
+        Ok(self)
+    }
+}
+
+/// Where variables come from: the process environment or a caller's lookup.
+type Source<'a> = dyn Fn(&'static str) -> Result<Option<String>, ConfigError> + 'a;
+
+fn process_env(name: &'static str) -> Result<Option<String>, ConfigError> {
+    match std::env::var(name) {
+        Ok(v) => Ok(Some(v)),
+        Err(std::env::VarError::NotPresent) => Ok(None),
+        Err(std::env::VarError::NotUnicode(raw)) => Err(ConfigError::new(
+            name,
+            &raw.to_string_lossy(),
+            "not valid Unicode",
+        )),
+    }
+}
+
+/// Empty means unset: templated manifests often render a missing value as "".
+fn nonempty(get: &Source<'_>, name: &'static str) -> Result<Option<String>, ConfigError> {
+    Ok(get(name)?.filter(|v| !v.trim().is_empty()))
+}
+
+fn parse<T>(
+    var: &'static str,
+    value: Option<String>,
+    f: impl FnOnce(&str) -> Result<T, String>,
+) -> Result<Option<T>, ConfigError> {
+    match value {
+        None => Ok(None),
+        Some(v) => f(v.trim())
+            .map(Some)
+            .map_err(|reason| ConfigError::new(var, &v, reason)),
+    }
+}
+
+/// A duration with its unit, as the CLI takes them: `25s`, `250ms`, `1m 30s`, `0s`.
+fn duration(v: &str) -> Result<Duration, String> {
+    // A bare `0` is unambiguous; any other number needs its unit.
+    if v == "0" {
+        return Ok(Duration::ZERO);
+    }
+    humantime::parse_duration(v)
+        .map_err(|_| "expected a duration with its unit, like 25s, 250ms or 1m 30s".to_owned())
+}
+
+fn boolean(v: &str) -> Result<bool, String> {
+    match v.to_ascii_lowercase().as_str() {
+        "true" | "1" | "yes" | "on" => Ok(true),
+        "false" | "0" | "no" | "off" => Ok(false),
+        _ => Err("expected true or false".to_owned()),
+    }
+}
+
+fn socket_addr(v: &str) -> Result<SocketAddr, String> {
+    if let Ok(port) = v.parse::<u16>() {
+        // Every address, IPv4 and IPv6 (dual-stack; the health server falls back to IPv4 alone
+        // on a host without IPv6).
+        return Ok(SocketAddr::from((Ipv6Addr::UNSPECIFIED, port)));
+    }
+    v.parse::<SocketAddr>()
+        .map_err(|_| "expected an address like 0.0.0.0:8080 (or a bare port like 8080)".to_owned())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::settings::Settings;
+    use crate::DeadLetterMode;
+
+    fn lookup(vars: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> {
+        let vars: Vec<(String, String)> = vars
+            .iter()
+            .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+            .collect();
+        move |name| vars.iter().find(|(k, _)| k == name).map(|(_, v)| v.clone())
+    }
+
+    fn cfg(vars: &[(&str, &str)]) -> Result<WorkerBuilder, ConfigError> {
+        Worker::builder(DEFAULT_AMQP_URL).env_from(lookup(vars))
+    }
+
+    fn settings(vars: &[(&str, &str)]) -> Settings {
+        cfg(vars).unwrap().settings().clone()
+    }
+
+    #[test]
+    fn empty_environment_changes_nothing() {
+        let s = settings(&[]);
+        let d = Worker::builder(DEFAULT_AMQP_URL).settings().clone();
+        assert_eq!(format!("{s:?}"), format!("{d:?}"));
+        assert_eq!(s.url(), DEFAULT_AMQP_URL);
+        let svc = ServiceConfig::from_lookup(lookup(&[])).unwrap();
+        assert_eq!(svc, ServiceConfig::default());
+        assert_eq!(svc.health_addr, None);
+        assert_eq!(svc.log_format, LogFormat::Pretty);
+        assert_eq!(svc.log_filter, "info");
+    }
+
+    #[test]
+    fn every_variable_is_read() {
+        let vars = [
+            (AMQP_URL, "amqp://u:p@rabbitmq:5672/%2f"),
+            (QUEUE, "images"),
+            (PREFIX, "eu-"),
+            (PREFETCH, "64"),
+            (CONCURRENCY, "16"),
+            (GRACE_PERIOD, "20s"),
+            (HANDLER_TIMEOUT, "1500ms"),
+            (VERIFY_ONLY, "yes"),
+            (CONNECTION_NAME, "pod-1"),
+            (MAX_RETRIES, "4"),
+            (RETRY_BASE, "200ms"),
+            (RETRY_CAP, "30s"),
+            (DEAD_LETTER_MODE, "Annotate"),
+            (HEALTH_ADDR, "0.0.0.0:8080"),
+            (LOG_FORMAT, "JSON"),
+            (RUST_LOG, "debug,lapin=warn"),
+        ];
+        let s = Worker::builder(DEFAULT_AMQP_URL)
+            .policy(
+                RetryPolicy::exponential(Duration::from_secs(1))
+                    .jitter(redeliver_core::Jitter::None),
+            )
+            .env_from(lookup(&vars))
+            .unwrap()
+            .settings()
+            .clone();
+        assert_eq!(s.url(), "amqp://u:p@rabbitmq:5672/%2f");
+        assert_eq!(s.queue(), Some("images"));
+        assert_eq!(s.prefix(), Some("eu-"));
+        assert_eq!(s.prefetch(), Some(64));
+        assert_eq!(s.concurrency(), 16);
+        assert_eq!(s.shutdown_grace(), Duration::from_secs(20));
+        assert_eq!(s.handler_timeout(), Some(Duration::from_millis(1500)));
+        assert!(s.verify_only());
+        assert_eq!(s.connection_name(), Some("pod-1"));
+        assert_eq!(s.policy().max_retries_value(), 4);
+        assert_eq!(s.policy().delay_for(0, None), Duration::from_millis(200));
+        assert_eq!(s.policy().delay_for(30, None), Duration::from_secs(30));
+        assert_eq!(s.dead_letter_mode(), DeadLetterMode::Annotate);
+        let svc = ServiceConfig::from_lookup(lookup(&vars)).unwrap();
+        assert_eq!(svc.health_addr, Some("0.0.0.0:8080".parse().unwrap()));
+        assert_eq!(svc.log_format, LogFormat::Json);
+        assert_eq!(svc.log_filter, "debug,lapin=warn");
+    }
+
+    #[test]
+    fn errors_name_the_variable_and_value() {
+        for (var, value, expect) in [
+            (PREFETCH, "0", "1 to 65535"),
+            (PREFETCH, "70000", "1 to 65535"),
+            (CONCURRENCY, "many", "at least 1"),
+            (GRACE_PERIOD, "-3s", "duration"),
+            (GRACE_PERIOD, "25", "with its unit"),
+            (HANDLER_TIMEOUT, "soon", "duration"),
+            (VERIFY_ONLY, "maybe", "true or false"),
+            (MAX_RETRIES, "-1", "non-negative"),
+            (RETRY_BASE, "1.5", "duration"),
+            (
+                "REDELIVER_GRACE_PERIOD_SECS",
+                "25",
+                "REDELIVER_GRACE_PERIOD",
+            ),
+            ("REDELIVER_RETRY_CAP_MS", "400", "REDELIVER_RETRY_CAP"),
+            (DEAD_LETTER_MODE, "republish", "`annotate`"),
+        ] {
+            let err = cfg(&[(var, value)]).expect_err(var);
+            assert_eq!(err.var(), var);
+            assert_eq!(err.value(), value);
+            let text = err.to_string();
+            assert!(text.contains(var) && text.contains(value), "{text}");
+            assert!(text.contains(expect), "{text}");
+        }
+        for (var, value, expect) in [
+            (HEALTH_ADDR, "localhost", "0.0.0.0:8080"),
+            (LOG_FORMAT, "xml", "json"),
+        ] {
+            let err = ServiceConfig::from_lookup(lookup(&[(var, value)])).expect_err(var);
+            assert_eq!(err.var(), var);
+            assert!(err.to_string().contains(expect), "{err}");
+        }
+    }
+
+    #[test]
+    fn bad_url_is_reported_without_its_password() {
+        let err = cfg(&[(AMQP_URL, "http://user:hunter2@host/")]).unwrap_err();
+        assert_eq!(err.var(), AMQP_URL);
+        assert!(!err.to_string().contains("hunter2"), "{err}");
+        let b = cfg(&[(AMQP_URL, "amqp://user:hunter2@host:5672/%2f")]).unwrap();
+        assert!(!format!("{b:?}").contains("hunter2"));
+        assert!(!format!("{:?}", b.settings()).contains("hunter2"));
+    }
+
+    #[test]
+    fn several_urls_separated_by_semicolons() {
+        let s = settings(&[(
+            AMQP_URL,
+            " amqp://u:p1@rabbit-0:5672/%2f ; amqp://u:p2@rabbit-1:5672/%2f;amqp://u:p3@rabbit-2/%2f;",
+        )]);
+        assert_eq!(s.url(), "amqp://u:p1@rabbit-0:5672/%2f");
+        assert_eq!(
+            s.failover_urls(),
+            ["amqp://u:p2@rabbit-1:5672/%2f", "amqp://u:p3@rabbit-2/%2f"]
+        );
+        let shown = format!("{s:?}");
+        assert!(!shown.contains("p2") && !shown.contains("p3"), "{shown}");
+        let err = cfg(&[(AMQP_URL, "amqp://rabbit-0/%2f;http://u:hunter2@rabbit-1/")]).unwrap_err();
+        assert_eq!(err.var(), AMQP_URL);
+        assert!(!err.to_string().contains("hunter2"), "{err}");
+        assert!(settings(&[(AMQP_URL, "amqp://rabbit-0/%2f")])
+            .failover_urls()
+            .is_empty());
+    }
+
+    #[test]
+    fn empty_values_are_unset_and_zero_timeout_is_none() {
+        let b = Worker::builder(DEFAULT_AMQP_URL)
+            .prefetch(7)
+            .handler_timeout(Duration::from_secs(3));
+        let s = b
+            .env_from(lookup(&[(PREFETCH, ""), (HANDLER_TIMEOUT, "0s")]))
+            .unwrap()
+            .settings()
+            .clone();
+        assert_eq!(s.prefetch(), Some(7));
+        assert_eq!(s.handler_timeout(), None);
+        let svc = ServiceConfig::from_lookup(lookup(&[(HEALTH_ADDR, "  ")])).unwrap();
+        assert_eq!(svc.health_addr, None);
+    }
+
+    #[test]
+    fn bare_port_listens_on_every_interface() {
+        let svc = ServiceConfig::from_lookup(lookup(&[(HEALTH_ADDR, "9090")])).unwrap();
+        assert_eq!(svc.health_addr, Some("[::]:9090".parse().unwrap()));
+    }
+
+    #[test]
+    fn the_environment_overrides_earlier_calls_and_later_calls_override_it() {
+        let vars = [(QUEUE, "from-env"), (PREFIX, "p-"), (CONCURRENCY, "3")];
+        let worker = Worker::builder(DEFAULT_AMQP_URL)
+            .queue("from-code")
+            .concurrency(5)
+            .env_from(lookup(&vars))
+            .unwrap()
+            .concurrency(4)
+            .handler(|_m: crate::Raw, _c: crate::Context| async move {
+                Ok::<(), crate::HandlerError>(())
+            })
+            .build()
+            .unwrap();
+        assert_eq!(worker.queue_name(), "p-from-env");
+        assert_eq!(worker.settings().concurrency(), 4);
+    }
+
+    #[test]
+    fn retry_settings_amend_the_policy_set_in_code() {
+        let s = Worker::builder(DEFAULT_AMQP_URL)
+            .policy(
+                RetryPolicy::exponential(Duration::from_secs(1))
+                    .jitter(redeliver_core::Jitter::None)
+                    .max_retries(9),
+            )
+            .env_from(lookup(&[(RETRY_BASE, "50ms"), (RETRY_CAP, "400ms")]))
+            .unwrap()
+            .settings()
+            .clone();
+        assert_eq!(s.policy().max_retries_value(), 9);
+        assert_eq!(s.policy().delay_for(0, None), Duration::from_millis(50));
+        assert_eq!(s.policy().delay_for(10, None), Duration::from_millis(400));
+    }
+
+    #[test]
+    fn password_file_applies_to_the_code_url_too() {
+        let dir = std::env::temp_dir().join(format!("redeliver-env-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("password");
+        std::fs::write(&file, "s3cret\n").unwrap();
+        let s = Worker::builder("amqp://app@rabbit:5672/%2f")
+            .env_from(lookup(&[(AMQP_PASSWORD_FILE, file.to_str().unwrap())]))
+            .unwrap()
+            .settings()
+            .clone();
+        assert!(s.url().contains("app:s3cret@rabbit"), "{}", s.url());
+        let _ = std::fs::remove_dir_all(dir);
+    }
+}

@@ -1,0 +1,80 @@
+//! Why a worker stops.
+
+use redeliver_amqp::publisher::PublishError;
+use redeliver_amqp::tls::ConnectError;
+use redeliver_amqp::topology::TopologyError;
+use redeliver_amqp::url::UrlError;
+
+/// Errors that stop a worker. Connection problems are not among them: the worker reconnects
+/// (with backoff) until it is told to stop.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum WorkerError {
+    /// The builder was given something unusable.
+    #[error("invalid worker configuration: {0}")]
+    Config(#[from] SettingError),
+    /// Declaring or verifying the topology failed for a reason reconnecting will not fix (an
+    /// argument mismatch with an existing queue, a missing object in verify-only mode, access
+    /// refused, an invalid name).
+    #[error("topology: {0}")]
+    Topology(#[from] TopologyError),
+    /// A broker operation failed (returned only where retrying makes no sense).
+    #[error("AMQP: {0}")]
+    Amqp(#[from] lapin::Error),
+    /// The confirmed publisher could not be set up.
+    #[error("publisher: {0}")]
+    Publisher(#[from] PublishError),
+    /// SIGTERM / SIGINT handlers could not be installed.
+    #[error("cannot install signal handler: {0}")]
+    Signal(#[source] std::io::Error),
+    /// A worker task of [`run_all`](crate::run_all) panicked or was cancelled.
+    #[error("worker task failed: {0}")]
+    Task(#[from] tokio::task::JoinError),
+    /// Connecting failed: TLS settings, a refused certificate, an unreachable broker.
+    #[error(transparent)]
+    Connect(#[from] ConnectError),
+}
+
+/// A builder setting that cannot work, reported by
+/// [`WorkerBuilder::build`](crate::WorkerBuilder::build) before any connection.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum SettingError {
+    /// Neither [`queue`](crate::WorkerBuilder::queue) nor
+    /// [`topology`](crate::WorkerBuilder::topology) was called.
+    #[error("no queue: call .queue(name) or .topology(..)")]
+    NoQueue,
+    /// Neither [`handler`](crate::WorkerBuilder::handler) nor
+    /// [`handler_impl`](crate::WorkerBuilder::handler_impl) was called.
+    #[error("no handler: call .handler(..) or .handler_impl(..)")]
+    NoHandler,
+    /// [`concurrency`](crate::WorkerBuilder::concurrency) out of range.
+    #[error("concurrency must be between 1 and {max}, got {got}")]
+    Concurrency {
+        /// The value given.
+        got: usize,
+        /// The largest allowed.
+        max: usize,
+    },
+    /// [`prefetch`](crate::WorkerBuilder::prefetch) of 0.
+    #[error("prefetch must be at least 1 (0 would mean an unbounded buffer)")]
+    Prefetch,
+    /// A broker URL that does not parse (its password is never in the text).
+    #[error(transparent)]
+    Url(#[from] UrlError),
+}
+
+impl WorkerError {
+    /// True when reconnecting cannot help, so `run` returns the error instead of retrying.
+    pub(crate) fn is_fatal(&self) -> bool {
+        match self {
+            WorkerError::Topology(TopologyError::Amqp(_)) => false,
+            WorkerError::Topology(_) | WorkerError::Config(_) | WorkerError::Signal(_) => true,
+            WorkerError::Amqp(_) | WorkerError::Publisher(_) | WorkerError::Task(_) => false,
+            // Unusable settings are fatal; a refused certificate or an unreachable broker may be
+            // fixed on the other side (a renewed certificate, a DNS change) while we retry.
+            WorkerError::Connect(ConnectError::Url(_) | ConnectError::Tls(_)) => true,
+            WorkerError::Connect(_) => false,
+        }
+    }
+}

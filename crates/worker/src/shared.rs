@@ -1,0 +1,71 @@
+//! What outlives one connection: the settings, the concurrency limit, the in-flight tasks and
+//! the shutdown tokens belong to the worker, so handlers of a lost connection still count
+//! against the limit and are awaited at shutdown.
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tokio::sync::Semaphore;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+use tracing::{info, warn};
+
+use crate::requeue::RequeueLedger;
+use crate::settings::Resolved;
+
+/// Time allowed, after the grace period, for abandoned handlers to unwind and for settling the
+/// ones that just finished, before the channel is closed regardless.
+const SETTLE_GRACE: Duration = Duration::from_secs(5);
+
+pub(crate) struct Shared {
+    pub(crate) config: Arc<Resolved>,
+    pub(crate) semaphore: Arc<Semaphore>,
+    pub(crate) tracker: TaskTracker,
+    /// Cancelled when draining starts; handed to handlers as [`Context::shutdown_token`](crate::Context::shutdown_token).
+    pub(crate) draining: CancellationToken,
+    /// Cancelled when the grace period is over: handlers still running are dropped unsettled.
+    pub(crate) hard_stop: CancellationToken,
+    /// The worker's own requeues per message, bounded by the requeue limit.
+    pub(crate) requeues: Mutex<RequeueLedger>,
+}
+
+impl Shared {
+    pub(crate) fn new(config: Arc<Resolved>) -> Self {
+        Self {
+            semaphore: Arc::new(Semaphore::new(config.settings.concurrency)),
+            tracker: TaskTracker::new(),
+            draining: CancellationToken::new(),
+            hard_stop: CancellationToken::new(),
+            requeues: Mutex::default(),
+            config,
+        }
+    }
+
+    /// Waits for in-flight handlers up to the grace period, then drops the rest.
+    pub(crate) async fn drain_tasks(&self) {
+        self.draining.cancel();
+        self.tracker.close();
+        if self.tracker.is_empty() {
+            return;
+        }
+        let grace = self.config.settings.shutdown_grace;
+        info!(
+            queue = %self.config.queue,
+            in_flight = self.tracker.len(),
+            grace = %humantime::format_duration(grace),
+            "waiting for in-flight handlers"
+        );
+        if tokio::time::timeout(grace, self.tracker.wait())
+            .await
+            .is_err()
+        {
+            warn!(
+                queue = %self.config.queue,
+                abandoned = self.tracker.len(),
+                "shutdown grace period over: dropping unfinished handlers; the broker requeues their messages"
+            );
+            self.hard_stop.cancel();
+            let _ = tokio::time::timeout(SETTLE_GRACE, self.tracker.wait()).await;
+        }
+    }
+}
