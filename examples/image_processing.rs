@@ -325,7 +325,7 @@ pub async fn connect(cfg: &Config) -> anyhow::Result<Connection> {
     let props = ConnectionProperties::default().with_connection_name("image-processing".into());
     match tokio::time::timeout(
         CONNECT_TIMEOUT,
-        redeliver::amqp::tls::connect(&cfg.amqp_url, props, &cfg.tls),
+        redeliver::amqp::connect(&cfg.amqp_url, props, &cfg.tls),
     )
     .await
     {

@@ -9,7 +9,7 @@ use lapin::types::FieldTable;
 use lapin::{Connection, ConnectionProperties};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
-use redeliver_amqp::tls::TlsConfig;
+use redeliver_amqp::TlsConfig;
 
 /// TLS settings for an `amqps://` URL, from the worker's variables: `REDELIVER_TLS_CA_FILE`
 /// (and the client certificate ones), so both sides of a run connect the same way.
@@ -32,7 +32,7 @@ pub fn tls_from_env() -> TlsConfig {
 pub async fn connect(url: &str) -> Result<Connection> {
     let attempt = tokio::time::timeout(
         Duration::from_secs(10),
-        redeliver_amqp::tls::connect(url, ConnectionProperties::default(), &tls_from_env()),
+        redeliver_amqp::connect(url, ConnectionProperties::default(), &tls_from_env()),
     )
     .await;
     match attempt {

@@ -1,7 +1,7 @@
 //! Dispatch: turns parsed arguments into one command run against one connection.
 
-use redeliver_amqp::delay::DelayConfig;
-use redeliver_amqp::topology::Topology;
+use redeliver_amqp::DelayConfig;
+use redeliver_amqp::Topology;
 
 use crate::cli::{
     Cli, Command, DelayCmd, DlqCmd, FilterArgs, ListArgs, PeekArgs, PurgeArgs, ReplayArgs,

@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use anyhow::Context as _;
 use lapin::{Connection, ConnectionProperties};
-use redeliver_amqp::tls::{self, TlsConfig};
+use redeliver_amqp::TlsConfig;
 use redeliver_amqp::url::{self, UrlError};
 
 pub use redeliver_amqp::url::BrokerUrl;
@@ -47,7 +47,7 @@ pub async fn connect(
     timeout: Duration,
 ) -> anyhow::Result<Connection> {
     let props = ConnectionProperties::default().with_connection_name("redeliver-cli".into());
-    let attempt = tls::connect_url(url, props, tls);
+    let attempt = redeliver_amqp::connect_url(url, props, tls);
     match tokio::time::timeout(timeout, attempt).await {
         Ok(res) => {
             res.with_context(|| format!("cannot connect to the broker at {}", url.redacted()))

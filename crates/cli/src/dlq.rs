@@ -11,8 +11,8 @@ use std::time::SystemTime;
 use anyhow::Context as _;
 use lapin::options::{BasicAckOptions, QueuePurgeOptions};
 use lapin::Connection;
-use redeliver_amqp::delay::DelayConfig;
-use redeliver_amqp::publisher::{PublishError, Publisher};
+use redeliver_amqp::DelayConfig;
+use redeliver_amqp::{PublishError, Publisher};
 use serde::Serialize;
 
 use crate::browse::{self, Reader, IDLE, MAX_PREFETCH};

@@ -6,7 +6,7 @@
 use std::fmt;
 
 use lapin::ErrorKind;
-use redeliver_amqp::topology::TopologyError;
+use redeliver_amqp::TopologyError;
 
 use redeliver_amqp::url::BrokerUrl;
 
@@ -193,6 +193,7 @@ fn topology_hint(t: &TopologyError, declare: &str, url: Option<&BrokerUrl>) -> O
                 .to_owned(),
         ),
         TopologyError::Amqp(l) => lapin_hint(l, declare, url),
+        _ => None,
     }
 }
 

@@ -15,8 +15,8 @@ use lapin::options::{
 };
 use lapin::types::FieldTable;
 use lapin::{BasicProperties, Connection};
-use redeliver_amqp::delay::DelayConfig;
-use redeliver_amqp::publisher::Publisher;
+use redeliver_amqp::DelayConfig;
+use redeliver_amqp::Publisher;
 use serde::Serialize;
 
 use crate::output::{self, Table};

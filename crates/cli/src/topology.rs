@@ -4,8 +4,8 @@ use anyhow::Context as _;
 use lapin::options::ExchangeDeclareOptions;
 use lapin::types::FieldTable;
 use lapin::{Connection, ExchangeKind};
-use redeliver_amqp::delay::DelayConfig;
-use redeliver_amqp::topology::{QueueType, Topology};
+use redeliver_amqp::DelayConfig;
+use redeliver_amqp::{QueueType, Topology};
 use serde::Serialize;
 use serde_json::Value;
 

@@ -54,7 +54,7 @@ use std::net::{Ipv4Addr, SocketAddr};
 use std::str::FromStr;
 use std::time::Duration;
 
-use redeliver_amqp::tls::TlsConfig;
+use redeliver_amqp::TlsConfig;
 use redeliver_amqp::url::{self, BrokerUrl};
 use redeliver_core::RetryPolicy;
 

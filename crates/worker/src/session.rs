@@ -13,11 +13,11 @@ use lapin::options::{
 };
 use lapin::types::FieldTable;
 use lapin::{Channel, Connection, ConnectionProperties, Consumer, Event};
-use redeliver_amqp::delay::DelayConfig;
+use redeliver_amqp::DelayConfig;
 use redeliver_amqp::headers::{self, RetryState};
-use redeliver_amqp::publisher::{PublishError, Publisher};
-use redeliver_amqp::server::ServerInfo;
-use redeliver_amqp::tls;
+use redeliver_amqp::{PublishError, Publisher};
+use redeliver_amqp::ServerInfo;
+
 use redeliver_amqp::url::BrokerUrl;
 use tokio::sync::{Mutex, OwnedSemaphorePermit};
 use tokio_util::sync::CancellationToken;
@@ -122,7 +122,7 @@ impl Session {
         };
         let (server, connection) = tokio::join!(
             ServerInfo::probe_uri(url.uri(), tls),
-            tls::connect_url(url, props, &config.tls)
+            redeliver_amqp::connect_url(url, props, &config.tls)
         );
         let connection = Arc::new(connection?);
         let server = match server {

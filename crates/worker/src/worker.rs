@@ -6,10 +6,10 @@ use std::time::Duration;
 
 use rand::rngs::StdRng;
 use rand::SeedableRng;
-use redeliver_amqp::delay::DelayConfig;
-use redeliver_amqp::publisher::PublishError;
-use redeliver_amqp::tls::{ConnectError, TlsConfig};
-use redeliver_amqp::topology::{Topology, TopologyError};
+use redeliver_amqp::DelayConfig;
+use redeliver_amqp::PublishError;
+use redeliver_amqp::{ConnectError, TlsConfig};
+use redeliver_amqp::{Topology, TopologyError};
 use redeliver_amqp::url::BrokerUrl;
 use redeliver_core::{Backoff, Jitter, RetryPolicy};
 use tokio::sync::Semaphore;
