@@ -362,7 +362,7 @@ pub async fn run_demo(args: &Args, cfg: &Config) -> anyhow::Result<Summary> {
     let cap = Duration::from_millis(args.cap_ms);
     let delay = DelayConfig::new()
         .prefix(prefix.clone())
-        .levels(levels_for(cap, DelayConfig::default().get_granularity()));
+        .levels(levels_for(cap, DelayConfig::default().configured_granularity()));
     let topology = Topology::new(DEFAULT_QUEUE)
         .prefix(prefix.clone())
         .delay(delay.clone());

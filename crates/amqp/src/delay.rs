@@ -100,6 +100,8 @@ impl DelayConfig {
 
     /// Prefix of every delay object's name (`{prefix}redeliver.delay.{k}`); use it to isolate
     /// tests or tenants. Empty by default.
+    ///
+    /// Read it back with [`Self::configured_prefix`].
     pub fn prefix(mut self, p: impl Into<String>) -> Self {
         self.prefix = p.into();
         self
@@ -107,6 +109,8 @@ impl DelayConfig {
 
     /// Tick length `g` (default 10 ms). Must be a whole number of milliseconds, at least 1 ms,
     /// since RabbitMQ TTLs are in milliseconds. Delays are rounded up to a multiple of it.
+    ///
+    /// Read it back with [`Self::configured_granularity`].
     pub fn granularity(mut self, g: Duration) -> Self {
         self.granularity = g;
         self
@@ -114,6 +118,8 @@ impl DelayConfig {
 
     /// Number of levels `L` (default 24, at most 32 and limited by 2^(L-1) * g <= 2^32 - 1 ms).
     /// The maximum delay is `(2^L - 1) * g`.
+    ///
+    /// Read it back with [`Self::configured_levels`].
     pub fn levels(mut self, l: u8) -> Self {
         self.levels = l;
         self
@@ -121,39 +127,43 @@ impl DelayConfig {
 
     /// Queue type of the level queues: quorum (default, at-least-once dead-lettering so a hop
     /// never drops a message) or classic (faster, at-most-once between hops).
+    ///
+    /// Read it back with [`Self::configured_queue_type`].
     pub fn queue_type(mut self, t: QueueType) -> Self {
         self.queue_type = t;
         self
     }
 
     /// Clamp delays above the maximum to the maximum instead of refusing them.
+    ///
+    /// Read it back with [`Self::over_max`].
     pub fn clamp_over_max(mut self, yes: bool) -> Self {
         self.over_max = if yes { OverMax::Clamp } else { OverMax::Reject };
         self
     }
 
     /// The configured name prefix.
-    pub fn get_prefix(&self) -> &str {
+    pub fn configured_prefix(&self) -> &str {
         &self.prefix
     }
 
     /// The configured granularity.
-    pub fn get_granularity(&self) -> Duration {
+    pub fn configured_granularity(&self) -> Duration {
         self.granularity
     }
 
     /// The configured level count.
-    pub fn get_levels(&self) -> u8 {
+    pub fn configured_levels(&self) -> u8 {
         self.levels
     }
 
     /// The configured level queue type.
-    pub fn get_queue_type(&self) -> QueueType {
+    pub fn configured_queue_type(&self) -> QueueType {
         self.queue_type
     }
 
     /// What happens to delays above the maximum.
-    pub fn get_over_max(&self) -> OverMax {
+    pub fn over_max(&self) -> OverMax {
         self.over_max
     }
 

@@ -74,6 +74,8 @@ impl Topology {
 
     /// Prefix of the queue, DLX and DLQ names; also the delay infrastructure's prefix unless
     /// [`Self::delay`] was given.
+    ///
+    /// Read it back with [`Self::configured_prefix`].
     pub fn prefix(mut self, p: impl Into<String>) -> Self {
         self.prefix = p.into();
         if !self.delay_given {
@@ -83,6 +85,8 @@ impl Topology {
     }
 
     /// Type of the consumer queue (quorum by default).
+    ///
+    /// Read it back with [`Self::configured_queue_type`].
     pub fn queue_type(mut self, t: QueueType) -> Self {
         self.queue_type = t;
         self
@@ -96,6 +100,8 @@ impl Topology {
     /// `x-delivery-limit` of a quorum queue (default `Some(20)`): a message redelivered more
     /// often (say it crashes the worker every time) is dead-lettered with reason
     /// `delivery_limit`. `None` disables it. Ignored for classic queues.
+    ///
+    /// Read it back with [`Self::configured_delivery_limit`].
     pub fn delivery_limit(mut self, n: Option<u32>) -> Self {
         self.delivery_limit = n;
         self
@@ -118,8 +124,10 @@ impl Topology {
     /// ```
     /// use redeliver_amqp::{QueueType, Topology};
     /// let topo = Topology::new("images").dlq_queue_type(QueueType::Quorum);
-    /// assert_eq!(topo.get_dlq_queue_type(), QueueType::Quorum);
+    /// assert_eq!(topo.configured_dlq_queue_type(), QueueType::Quorum);
     /// ```
+    ///
+    /// Read it back with [`Self::configured_dlq_queue_type`].
     pub fn dlq_queue_type(mut self, t: QueueType) -> Self {
         self.dlq_queue_type = t;
         self
@@ -133,6 +141,8 @@ impl Topology {
 
     /// Also bind the queue to the user's `exchange` (as given, no prefix; it must exist)
     /// with `routing_key`.
+    ///
+    /// Read it back with [`Self::bindings`].
     pub fn bind(mut self, exchange: impl Into<String>, routing_key: impl Into<String>) -> Self {
         self.bindings.push(Binding {
             exchange: exchange.into(),
@@ -142,6 +152,8 @@ impl Topology {
     }
 
     /// Use this delay configuration (its own prefix wins over [`Self::prefix`]).
+    ///
+    /// Read it back with [`Self::delay_config`].
     pub fn delay(mut self, cfg: DelayConfig) -> Self {
         self.delay = cfg;
         self.delay_given = true;
@@ -154,22 +166,22 @@ impl Topology {
     }
 
     /// The configured prefix.
-    pub fn get_prefix(&self) -> &str {
+    pub fn configured_prefix(&self) -> &str {
         &self.prefix
     }
 
     /// The consumer queue's type.
-    pub fn get_queue_type(&self) -> QueueType {
+    pub fn configured_queue_type(&self) -> QueueType {
         self.queue_type
     }
 
     /// The dead-letter queue's type.
-    pub fn get_dlq_queue_type(&self) -> QueueType {
+    pub fn configured_dlq_queue_type(&self) -> QueueType {
         self.dlq_queue_type
     }
 
     /// The configured delivery limit.
-    pub fn get_delivery_limit(&self) -> Option<u32> {
+    pub fn configured_delivery_limit(&self) -> Option<u32> {
         self.delivery_limit
     }
 
@@ -237,7 +249,7 @@ impl Topology {
     pub fn validate(&self) -> Result<(), TopologyError> {
         self.delay.validate()?;
         let q = self.queue_name();
-        names::validate_routed_queue_name(&q, self.delay.get_levels())?;
+        names::validate_routed_queue_name(&q, self.delay.configured_levels())?;
         names::validate_short(&self.dlq_name())?;
         names::validate_short(&self.dlx_name())?;
         for b in &self.bindings {
@@ -339,7 +351,7 @@ mod tests {
         assert_eq!(t.queue_name(), "t.orders");
         assert_eq!(t.dlx_name(), "t.orders.dlx");
         assert_eq!(t.dlq_name(), "t.orders.dlq");
-        assert_eq!(t.delay_config().get_prefix(), "t.");
+        assert_eq!(t.delay_config().configured_prefix(), "t.");
         let a = describe_args(&t.queue_arguments());
         assert_eq!(
             a,
@@ -367,7 +379,7 @@ mod tests {
         let given = Topology::new("q")
             .delay(DelayConfig::new().prefix("d."))
             .prefix("p.");
-        assert_eq!(given.delay_config().get_prefix(), "d.");
+        assert_eq!(given.delay_config().configured_prefix(), "d.");
         let none = Topology::new("q").delivery_limit(None);
         assert!(!none.queue_arguments().contains_key("x-delivery-limit"));
         assert!(Topology::new("a..b").validate().is_err());

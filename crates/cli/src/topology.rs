@@ -121,7 +121,7 @@ impl Names {
             queue_type: if a.classic { "classic" } else { "quorum" },
             dlx: t.dlx_name(),
             dlq: t.dlq_name(),
-            dlq_type: t.get_dlq_queue_type().as_str(),
+            dlq_type: t.configured_dlq_queue_type().as_str(),
             delay: DelayJson::new(a),
         }
     }
@@ -157,7 +157,7 @@ pub async fn declare(conn: &Connection, a: &TopologyArgs, json: bool) -> anyhow:
         if a.classic { "classic" } else { "quorum" },
         t.dlx_name(),
         t.dlq_name(),
-        t.get_dlq_queue_type().as_str(),
+        t.configured_dlq_queue_type().as_str(),
         describe_delay(a)
     );
     Ok(())

@@ -511,7 +511,7 @@ impl Config {
     /// use redeliver_worker::RetryPolicy;
     /// let cfg = Config::from_lookup(|n| (n == "REDELIVER_MAX_RETRIES").then(|| "7".into())).unwrap();
     /// let p = cfg.policy(RetryPolicy::exponential(Duration::from_millis(100)).max_retries(3));
-    /// assert_eq!(p.max_retries_value(), 7);
+    /// assert_eq!(p.configured_max_retries(), 7);
     /// ```
     pub fn policy(&self, mut policy: RetryPolicy) -> RetryPolicy {
         if let Some(n) = self.max_retries {
@@ -774,7 +774,7 @@ mod tests {
                 .jitter(redeliver_core::Jitter::None)
                 .max_retries(9),
         );
-        assert_eq!(p.max_retries_value(), 9);
+        assert_eq!(p.configured_max_retries(), 9);
         assert_eq!(p.delay_for(0, None), Duration::from_millis(50));
         assert_eq!(p.delay_for(10, None), Duration::from_millis(400));
     }
