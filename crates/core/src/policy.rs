@@ -8,8 +8,7 @@ use rand::rngs::StdRng;
 use rand::SeedableRng;
 
 use crate::backoff::Backoff;
-pub use crate::budget::BudgetExhausted;
-use crate::budget::RetryBudget;
+use crate::budget::{BudgetExhausted, RetryBudget};
 use crate::error::{Classifier, ErrorKind, HandlerError};
 use crate::jitter::Jitter;
 
