@@ -14,7 +14,7 @@ use crate::cli::{DelayArgs, TopologyArgs};
 use crate::output::{self, table_json, Table};
 
 /// The delay configuration the flags describe.
-pub fn delay_config(prefix: &str, d: &DelayArgs) -> DelayConfig {
+pub(crate) fn delay_config(prefix: &str, d: &DelayArgs) -> DelayConfig {
     DelayConfig::new()
         .prefix(prefix)
         .levels(d.levels)
@@ -28,7 +28,7 @@ pub fn delay_config(prefix: &str, d: &DelayArgs) -> DelayConfig {
 
 /// The topology the flags describe. The delay configuration is always given explicitly so its
 /// queue type follows --delay-classic, not --classic.
-pub fn topology(a: &TopologyArgs) -> Topology {
+pub(crate) fn topology(a: &TopologyArgs) -> Topology {
     let mut t = Topology::new(a.queue.clone())
         .prefix(a.prefix.clone())
         .queue_type(if a.classic {
@@ -139,7 +139,7 @@ struct Deleted {
     delay: Option<DelayJson>,
 }
 
-pub async fn declare(conn: &Connection, a: &TopologyArgs, json: bool) -> anyhow::Result<()> {
+pub(crate) async fn declare(conn: &Connection, a: &TopologyArgs, json: bool) -> anyhow::Result<()> {
     let t = topology(a);
     t.declare(conn)
         .await
@@ -163,7 +163,7 @@ pub async fn declare(conn: &Connection, a: &TopologyArgs, json: bool) -> anyhow:
     Ok(())
 }
 
-pub async fn verify(conn: &Connection, a: &TopologyArgs, json: bool) -> anyhow::Result<()> {
+pub(crate) async fn verify(conn: &Connection, a: &TopologyArgs, json: bool) -> anyhow::Result<()> {
     let t = topology(a);
     t.verify(conn)
         .await
@@ -185,7 +185,7 @@ pub async fn verify(conn: &Connection, a: &TopologyArgs, json: bool) -> anyhow::
     Ok(())
 }
 
-pub async fn delete(
+pub(crate) async fn delete(
     conn: &Connection,
     a: &TopologyArgs,
     include_delay: bool,
@@ -226,7 +226,7 @@ pub async fn delete(
 
 /// One row of `topology show`.
 #[derive(Debug, Serialize)]
-pub struct ObjectRow {
+pub(crate) struct ObjectRow {
     pub kind: &'static str,
     pub name: String,
     pub exists: bool,
@@ -308,7 +308,7 @@ async fn exchange_row(
 }
 
 /// Every object, in the order a message meets them.
-pub async fn rows(conn: &Connection, a: &TopologyArgs) -> anyhow::Result<Vec<ObjectRow>> {
+pub(crate) async fn rows(conn: &Connection, a: &TopologyArgs) -> anyhow::Result<Vec<ObjectRow>> {
     let t = topology(a);
     let cfg = t.delay_config().clone();
     let mut rows = vec![
@@ -393,7 +393,7 @@ fn args_text(v: &Value) -> String {
     }
 }
 
-pub async fn show(conn: &Connection, a: &TopologyArgs, json: bool) -> anyhow::Result<()> {
+pub(crate) async fn show(conn: &Connection, a: &TopologyArgs, json: bool) -> anyhow::Result<()> {
     let rows = rows(conn, a).await?;
     let t = topology(a);
     let cfg = t.delay_config();
