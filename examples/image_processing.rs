@@ -360,9 +360,10 @@ pub async fn run_demo(args: &Args, cfg: &Config) -> anyhow::Result<Summary> {
     // cleanup can delete everything.
     let prefix = format!("demo-{}.", &uuid::Uuid::new_v4().simple().to_string()[..8]);
     let cap = Duration::from_millis(args.cap_ms);
-    let delay = DelayConfig::new()
-        .prefix(prefix.clone())
-        .levels(levels_for(cap, DelayConfig::default().configured_granularity()));
+    let delay = DelayConfig::new().prefix(prefix.clone()).levels(levels_for(
+        cap,
+        DelayConfig::default().configured_granularity(),
+    ));
     let topology = Topology::new(DEFAULT_QUEUE)
         .prefix(prefix.clone())
         .delay(delay.clone());

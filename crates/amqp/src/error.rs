@@ -103,4 +103,3 @@ pub enum TopologyError {
     #[error("AMQP error: {0}")]
     Amqp(#[from] lapin::Error),
 }
-

@@ -96,11 +96,8 @@ impl FromStr for BrokerVersion {
     type Err = ProbeError;
 
     fn from_str(s: &str) -> Result<Self, Self::Err> {
-        Self::parse(s).ok_or_else(|| {
-            ProbeError::Protocol(StartFrameError::Version {
-                text: s.to_owned(),
-            })
-        })
+        Self::parse(s)
+            .ok_or_else(|| ProbeError::Protocol(StartFrameError::Version { text: s.to_owned() }))
     }
 }
 
@@ -261,12 +258,11 @@ impl ServerInfo {
     /// Parses a raw `connection.start` frame.
     fn from_start_frame(frame: &[u8]) -> Result<Self, ProbeError> {
         use lapin::protocol::connection::AMQPMethod;
-        let parsed = amq_protocol::frame::parse_frame(frame)
-            .map_err(|e| {
-                ProbeError::Protocol(StartFrameError::Unreadable {
-                    reason: e.to_string(),
-                })
-            })?;
+        let parsed = amq_protocol::frame::parse_frame(frame).map_err(|e| {
+            ProbeError::Protocol(StartFrameError::Unreadable {
+                reason: e.to_string(),
+            })
+        })?;
         let start = match parsed.1 {
             amq_protocol::frame::AMQPFrame::Method(
                 0,

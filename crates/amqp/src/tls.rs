@@ -117,8 +117,8 @@ impl TlsConfig {
         let cert_chain = match &self.ca_file {
             Some(p) => {
                 let pem = read("CA bundle", p)?;
-                let pem = String::from_utf8(pem)
-                    .map_err(|_| TlsError::NotPem { path: p.to_owned() })?;
+                let pem =
+                    String::from_utf8(pem).map_err(|_| TlsError::NotPem { path: p.to_owned() })?;
                 if !pem.contains("-----BEGIN CERTIFICATE-----") {
                     return Err(TlsError::NoCertificate { path: p.to_owned() }.into());
                 }
@@ -184,7 +184,9 @@ impl From<TlsError> for ConnectError {
 #[non_exhaustive]
 pub enum TlsError {
     /// SASL EXTERNAL without a client certificate to log in with.
-    #[error("SASL EXTERNAL logs in with the client certificate: give one (client certificate and key)")]
+    #[error(
+        "SASL EXTERNAL logs in with the client certificate: give one (client certificate and key)"
+    )]
     SaslExternalWithoutCert,
     /// TLS settings for a plain `amqp://` URL, where they would be ignored.
     #[error("TLS settings (CA bundle, client certificate, SASL EXTERNAL) are given but '{redacted}' is not an amqps:// URL")]

@@ -309,7 +309,9 @@ impl Topology {
     pub async fn declare(&self, conn: &lapin::Connection) -> Result<(), TopologyError> {
         self.validate()?;
         self.delay.declare(conn).await?;
-        declare::Session::new(conn).run_all(self.own_ops(false)).await
+        declare::Session::new(conn)
+            .run_all(self.own_ops(false))
+            .await
     }
 
     /// Checks with passive declares only (no configure permission needed) that the queue, the
@@ -318,7 +320,9 @@ impl Topology {
     pub async fn verify(&self, conn: &lapin::Connection) -> Result<(), TopologyError> {
         self.validate()?;
         self.delay.verify(conn).await?;
-        declare::Session::new(conn).run_all(self.own_ops(true)).await
+        declare::Session::new(conn)
+            .run_all(self.own_ops(true))
+            .await
     }
 
     /// Deletes `Q`, `Q.dlq` and `Q.dlx` with their messages (not the shared delay

@@ -3,9 +3,9 @@
 
 use std::time::Duration;
 
+use anyhow::{anyhow, Context, Result};
 use base64::engine::general_purpose::STANDARD;
 use base64::Engine as _;
-use anyhow::{anyhow, Context, Result};
 use lapin::options::QueueDeclareOptions;
 use lapin::types::FieldTable;
 use lapin::{Connection, ConnectionProperties};

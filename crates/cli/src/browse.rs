@@ -40,7 +40,10 @@ pub(crate) struct QueueCounts {
 
 /// Passive declare of `queue` on a throwaway channel (a 404 closes the channel it happens on).
 /// `Ok(None)` when the queue does not exist.
-pub(crate) async fn probe_queue(conn: &Connection, queue: &str) -> anyhow::Result<Option<QueueCounts>> {
+pub(crate) async fn probe_queue(
+    conn: &Connection,
+    queue: &str,
+) -> anyhow::Result<Option<QueueCounts>> {
     let ch = conn
         .create_channel()
         .await
@@ -94,7 +97,11 @@ pub(crate) struct Reader {
 
 impl Reader {
     /// Starts consuming `queue` with manual acks and `prefetch` (clamped to 1..=65535).
-    pub(crate) async fn open(conn: &Connection, queue: &str, prefetch: u32) -> anyhow::Result<Self> {
+    pub(crate) async fn open(
+        conn: &Connection,
+        queue: &str,
+        prefetch: u32,
+    ) -> anyhow::Result<Self> {
         let channel = conn
             .create_channel()
             .await

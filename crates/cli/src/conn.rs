@@ -5,8 +5,8 @@ use std::time::Duration;
 
 use anyhow::Context as _;
 use lapin::{Connection, ConnectionProperties};
-use redeliver_amqp::TlsConfig;
 use redeliver_amqp::url::{self, UrlError};
+use redeliver_amqp::TlsConfig;
 
 pub(crate) use redeliver_amqp::url::BrokerUrl;
 

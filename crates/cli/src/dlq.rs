@@ -73,7 +73,12 @@ impl Source {
 }
 
 /// `list`: prints a table (or JSON array) of up to `limit` messages from the head.
-pub(crate) async fn list(conn: &Connection, src: &Source, limit: u32, json: bool) -> anyhow::Result<()> {
+pub(crate) async fn list(
+    conn: &Connection,
+    src: &Source,
+    limit: u32,
+    json: bool,
+) -> anyhow::Result<()> {
     let queue = src.queue();
     let (scanned, deliveries) = browse::snapshot(conn, queue, limit).await?;
     let rows: Vec<Summary> = deliveries

@@ -190,7 +190,12 @@ impl StatsAcc {
 }
 
 /// `dlq stats`.
-pub(crate) async fn stats(conn: &Connection, src: &Source, limit: u32, json: bool) -> anyhow::Result<()> {
+pub(crate) async fn stats(
+    conn: &Connection,
+    src: &Source,
+    limit: u32,
+    json: bool,
+) -> anyhow::Result<()> {
     let mut acc = StatsAcc::default();
     let scanned = scan_summaries(conn, src, limit, |s| acc.add(&s)).await?;
     let stats = acc.finish(src.queue(), &scanned);

@@ -457,7 +457,10 @@ mod tests {
         assert_eq!(p.configured_jitter(), Jitter::Full);
         assert_eq!(p.configured_max_retries(), 5);
         assert!(p.configured_budget().is_none());
-        assert_eq!(p.configured_classifier().default_kind(), ErrorKind::Transient);
+        assert_eq!(
+            p.configured_classifier().default_kind(),
+            ErrorKind::Transient
+        );
     }
 
     #[test]
@@ -466,7 +469,10 @@ mod tests {
         assert_eq!(p.configured_jitter(), Jitter::Full);
         assert_eq!(p.configured_max_retries(), DEFAULT_MAX_RETRIES);
         assert_eq!(p.backoff().cap(), DEFAULT_CAP);
-        assert_eq!(RetryPolicy::constant(ms(1)).configured_jitter(), Jitter::None);
+        assert_eq!(
+            RetryPolicy::constant(ms(1)).configured_jitter(),
+            Jitter::None
+        );
         assert_eq!(
             RetryPolicy::linear(ms(1), ms(2)).backoff().cap(),
             Duration::MAX

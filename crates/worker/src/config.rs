@@ -54,8 +54,8 @@ use std::net::{Ipv4Addr, SocketAddr};
 use std::str::FromStr;
 use std::time::Duration;
 
-use redeliver_amqp::TlsConfig;
 use redeliver_amqp::url::{self, BrokerUrl};
+use redeliver_amqp::TlsConfig;
 use redeliver_core::RetryPolicy;
 
 use crate::{Worker, WorkerBuilder};

@@ -107,8 +107,8 @@ pub use worker::{
     DEFAULT_CONCURRENCY, DEFAULT_SHUTDOWN_GRACE,
 };
 
-pub use redeliver_amqp::DelayConfig;
 pub use redeliver_amqp::lapin;
+pub use redeliver_amqp::DelayConfig;
 pub use redeliver_amqp::TlsConfig;
 pub use redeliver_amqp::{QueueType, Topology};
 pub use redeliver_core::{Backoff, Classifier, ErrorKind, HandlerError, Jitter, RetryPolicy};

@@ -6,11 +6,11 @@ use std::time::Duration;
 
 use rand::rngs::StdRng;
 use rand::SeedableRng;
+use redeliver_amqp::url::BrokerUrl;
 use redeliver_amqp::DelayConfig;
 use redeliver_amqp::PublishError;
 use redeliver_amqp::{ConnectError, TlsConfig};
 use redeliver_amqp::{Topology, TopologyError};
-use redeliver_amqp::url::BrokerUrl;
 use redeliver_core::{Backoff, Jitter, RetryPolicy};
 use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;

@@ -239,7 +239,8 @@ async fn mutual_tls_with_and_without_a_client_certificate() {
     let foreign = trusted()
         .client_cert(tls_file("other-client.pem"), tls_file("other-client.key"))
         .sasl_external(true);
-    let refused = redeliver_amqp::connect(&anonymous(&url), ConnectionProperties::default(), &foreign).await;
+    let refused =
+        redeliver_amqp::connect(&anonymous(&url), ConnectionProperties::default(), &foreign).await;
     let e = refused.expect_err("the broker refuses a certificate from another CA");
     assert!(
         e.to_string().contains("refused the client certificate"),
