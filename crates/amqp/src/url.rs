@@ -90,7 +90,7 @@ fn password_range(url: &str) -> Option<(usize, usize)> {
 
 /// Every form in which the passwords of `url` (one or several, `;`-separated) could appear in a
 /// text: as written and percent-decoded. Empty passwords are left out.
-pub fn secrets_of(url: &str) -> Vec<String> {
+pub(crate) fn secrets_of(url: &str) -> Vec<String> {
     let mut out: Vec<String> = Vec::new();
     for one in split_list(url) {
         let Some((s, e)) = password_range(one) else {
@@ -110,7 +110,7 @@ pub fn secrets_of(url: &str) -> Vec<String> {
 }
 
 /// Replaces each of `secrets` in `text` by [`MASK`].
-pub fn scrub_with(text: &str, secrets: &[String]) -> String {
+pub(crate) fn scrub_with(text: &str, secrets: &[String]) -> String {
     let mut out = text.to_owned();
     for s in secrets {
         if !s.is_empty() {

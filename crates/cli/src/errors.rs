@@ -271,7 +271,7 @@ fn not_found_object(msg: &str) -> Option<String> {
 
 /// "PRECONDITION_FAILED - inequivalent arg 'x-dead-letter-exchange' for queue 'q' in vhost '/':
 /// ..." -> (Some("queue 'q'"), Some("x-dead-letter-exchange")). The broker's wording is stable
-/// across 3.x (DESIGN.md quotes 3.10.8).
+/// across 3.x (quoted from 3.10.8).
 pub(crate) fn parse_inequivalent(msg: &str) -> (Option<String>, Option<String>) {
     let Some(rest) = msg.split("inequivalent arg '").nth(1) else {
         return (None, None);
