@@ -46,6 +46,7 @@ impl QueueType {
     }
 }
 
+/// An argument value of type long string, as RabbitMQ stores text arguments.
 pub(crate) fn text(s: &str) -> AMQPValue {
     AMQPValue::LongString(LongString::from(s.as_bytes()))
 }
