@@ -14,11 +14,10 @@ use lapin::options::{
 use lapin::types::FieldTable;
 use lapin::{Channel, Connection, ConnectionProperties, Consumer, Event};
 use redeliver_amqp::headers::{self, RetryState};
+use redeliver_amqp::url::BrokerUrl;
 use redeliver_amqp::DelayConfig;
 use redeliver_amqp::ServerInfo;
 use redeliver_amqp::{PublishError, Publisher};
-
-use redeliver_amqp::url::BrokerUrl;
 use tokio::sync::{Mutex, OwnedSemaphorePermit};
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, error, info, info_span, warn, Instrument, Span};
