@@ -325,7 +325,7 @@ pub async fn connect(cfg: &Config) -> anyhow::Result<Connection> {
     let props = ConnectionProperties::default().with_connection_name("image-processing".into());
     match tokio::time::timeout(
         CONNECT_TIMEOUT,
-        redeliver::amqp::tls::connect(&cfg.amqp_url, props, &cfg.tls),
+        redeliver::amqp::connect(&cfg.amqp_url, props, &cfg.tls),
     )
     .await
     {
@@ -360,9 +360,10 @@ pub async fn run_demo(args: &Args, cfg: &Config) -> anyhow::Result<Summary> {
     // cleanup can delete everything.
     let prefix = format!("demo-{}.", &uuid::Uuid::new_v4().simple().to_string()[..8]);
     let cap = Duration::from_millis(args.cap_ms);
-    let delay = DelayConfig::new()
-        .prefix(prefix.clone())
-        .levels(levels_for(cap, DelayConfig::default().get_granularity()));
+    let delay = DelayConfig::new().prefix(prefix.clone()).levels(levels_for(
+        cap,
+        DelayConfig::default().configured_granularity(),
+    ));
     let topology = Topology::new(DEFAULT_QUEUE)
         .prefix(prefix.clone())
         .delay(delay.clone());

@@ -82,7 +82,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
     let props = ConnectionProperties::default().with_connection_name("redeliver-publish".into());
     let conn = match tokio::time::timeout(
         Duration::from_secs(5),
-        redeliver::amqp::tls::connect(&cfg.amqp_url, props, &cfg.tls),
+        redeliver::amqp::connect(&cfg.amqp_url, props, &cfg.tls),
     )
     .await
     {

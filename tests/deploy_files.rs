@@ -89,7 +89,7 @@ fn kubernetes_deployment_has_probes_grace_limits_and_env() {
         "REDELIVER_PREFETCH",
         "REDELIVER_CONCURRENCY",
         "REDELIVER_HEALTH_ADDR",
-        "REDELIVER_GRACE_PERIOD_SECS",
+        "REDELIVER_GRACE_PERIOD",
         "RUST_LOG",
     ] {
         assert!(
@@ -103,9 +103,10 @@ fn kubernetes_deployment_has_probes_grace_limits_and_env() {
         .as_sequence()
         .unwrap()
         .iter()
-        .find(|e| e["name"].as_str() == Some("REDELIVER_GRACE_PERIOD_SECS"))
+        .find(|e| e["name"].as_str() == Some("REDELIVER_GRACE_PERIOD"))
         .and_then(|e| e["value"].as_str())
-        .and_then(|v| v.parse().ok())
+        .and_then(|v| humantime::parse_duration(v).ok())
+        .map(|d| d.as_secs())
         .expect("grace period value");
     let termination = spec["terminationGracePeriodSeconds"]
         .as_u64()
@@ -136,7 +137,7 @@ fn kubernetes_tls_patch_mounts_the_ca_and_the_url_from_secrets() {
     let url_file = value("AMQP_URL_FILE").expect("the URL file");
     for name in ["REDELIVER_TLS_CA_FILE", "AMQP_URL_FILE"] {
         assert!(
-            redeliver::worker::config::VARIABLES.contains(&name),
+            redeliver::worker::env::VARIABLES.contains(&name),
             "{name} is not read by the worker"
         );
     }

@@ -20,7 +20,7 @@ use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use futures::{FutureExt, StreamExt};
-use redeliver::amqp::publisher::Publisher;
+use redeliver::amqp::Publisher;
 use redeliver::lapin::options::{BasicGetOptions, BasicPublishOptions, QueueDeclareOptions};
 use redeliver::lapin::types::{AMQPValue, FieldTable};
 use redeliver::lapin::{BasicProperties, Connection, ConnectionProperties};

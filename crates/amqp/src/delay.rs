@@ -1,40 +1,13 @@
-//! The binary TTL delay infrastructure (the NServiceBus RabbitMQ transport's scheme).
-//!
-//! A delay `d` becomes `n = ceil(d / g)` ticks of the granularity `g`, written as `L` bits most
-//! significant first. The routing key is those bits as `L` words, then the destination queue's
-//! name: `b(L-1). ... .b1.b0.{queue}`.
-//!
-//! For each level `k` there is a topic exchange and a queue, both named
-//! `{prefix}redeliver.delay.{k}`. The queue holds messages for `2^k * g` (`x-message-ttl`) and then
-//! dead-letters them to exchange `k - 1` (level 0 to `{prefix}redeliver.delay.deliver`), keeping the
-//! routing key. Exchange `k` sends a key with a `1` at bit `k`'s word to queue `k`, and a key with a
-//! `0` there straight on to exchange `k - 1` (an exchange-to-exchange binding). A message therefore
-//! waits exactly in the levels of its set bits, and since every message in one level queue has the
-//! same TTL, expiry order is arrival order: a short delay never waits behind a long one.
-//!
-//! `deliver` is a topic exchange where each consumer queue `Q` binds with `L` `*` words and then
-//! `Q`'s words. A publish goes to the exchange of the highest set bit (skipping empty hops); delay
-//! 0 goes straight to `deliver`. Every delay exchange has the alternate exchange
-//! `{prefix}redeliver.delay.unroutable` (fanout, bound to a quorum queue of the same name), which
-//! parks messages whose destination queue is gone instead of losing them.
-//!
-//! ```
-//! use redeliver_amqp::delay::DelayConfig;
-//! use std::time::Duration;
-//!
-//! let cfg = DelayConfig::new().levels(4);
-//! // 50 ms = 5 ticks of 10 ms = 0b0101: first wait in level 2 (40 ms), then level 0 (10 ms).
-//! let r = cfg.route("orders", Duration::from_millis(50)).unwrap();
-//! assert_eq!(r.exchange, "redeliver.delay.2");
-//! assert_eq!(r.routing_key, "0.1.0.1.orders");
-//! assert_eq!(cfg.deliver_binding_key("orders"), "*.*.*.*.orders");
-//! ```
+//! The binary TTL delay infrastructure: its configuration, names, routing and declarations.
 
-use crate::names::{self, NameError};
-use crate::topology::{ops, QueueType, TopologyError};
-use lapin::types::{AMQPValue, FieldTable, LongString};
-use lapin::ExchangeKind;
 use std::time::Duration;
+
+use lapin::types::{AMQPValue, FieldTable};
+use lapin::ExchangeKind;
+
+use crate::declare::{self, text, Op, QueueType, OPERATOR_DELIVERY_LIMIT};
+use crate::error::{DelayConfigError, DelayError, TopologyError};
+use crate::names;
 
 /// RabbitMQ refuses an `x-message-ttl` above 2^32 - 1 ms.
 const MAX_TTL_MS: u128 = u32::MAX as u128;
@@ -55,6 +28,36 @@ pub enum OverMax {
 ///
 /// Defaults: no prefix, granularity 10 ms, 24 levels (max delay (2^24 - 1) * 10 ms, about 46.6 h),
 /// quorum level queues, delays above the maximum rejected.
+///
+/// A delay `d` becomes `n = ceil(d / g)` ticks of the granularity `g`, written as `L` bits most
+/// significant first. The routing key is those bits as `L` words, then the destination queue's
+/// name: `b(L-1). ... .b1.b0.{queue}`.
+///
+/// For each level `k` there is a topic exchange and a queue, both named
+/// `{prefix}redeliver.delay.{k}`. The queue holds messages for `2^k * g` (`x-message-ttl`) and then
+/// dead-letters them to exchange `k - 1` (level 0 to `{prefix}redeliver.delay.deliver`), keeping the
+/// routing key. Exchange `k` sends a key with a `1` at bit `k`'s word to queue `k`, and a key with a
+/// `0` there straight on to exchange `k - 1` (an exchange-to-exchange binding). A message therefore
+/// waits exactly in the levels of its set bits, and since every message in one level queue has the
+/// same TTL, expiry order is arrival order: a short delay never waits behind a long one.
+///
+/// `deliver` is a topic exchange where each consumer queue `Q` binds with `L` `*` words and then
+/// `Q`'s words. A publish goes to the exchange of the highest set bit (skipping empty hops); delay
+/// 0 goes straight to `deliver`. Every delay exchange has the alternate exchange
+/// `{prefix}redeliver.delay.unroutable` (fanout, bound to a quorum queue of the same name), which
+/// parks messages whose destination queue is gone instead of losing them.
+///
+/// ```
+/// use redeliver_amqp::DelayConfig;
+/// use std::time::Duration;
+///
+/// let cfg = DelayConfig::new().levels(4);
+/// // 50 ms = 5 ticks of 10 ms = 0b0101: first wait in level 2 (40 ms), then level 0 (10 ms).
+/// let r = cfg.route("orders", Duration::from_millis(50)).unwrap();
+/// assert_eq!(r.exchange, "redeliver.delay.2");
+/// assert_eq!(r.routing_key, "0.1.0.1.orders");
+/// assert_eq!(cfg.deliver_binding_key("orders"), "*.*.*.*.orders");
+/// ```
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct DelayConfig {
     prefix: String,
@@ -89,28 +92,6 @@ pub struct DelayRoute {
     pub effective: Duration,
 }
 
-/// Why a delay cannot be routed.
-#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
-pub enum DelayError {
-    /// The delay exceeds what the levels can express and clamping is off.
-    #[error("delay {requested:?} exceeds the maximum delay {max:?} of the delay infrastructure (raise the level count or granularity, or enable clamping)")]
-    TooLong {
-        /// The requested delay.
-        requested: Duration,
-        /// [`DelayConfig::max_delay`].
-        max: Duration,
-    },
-    /// The destination queue's name cannot be used as topic words.
-    #[error(transparent)]
-    InvalidName(#[from] NameError),
-    /// Granularity or level count are out of range.
-    #[error("invalid delay configuration: {reason}")]
-    InvalidConfig {
-        /// What is wrong.
-        reason: String,
-    },
-}
-
 impl DelayConfig {
     /// The default configuration (see [`DelayConfig`]).
     pub fn new() -> Self {
@@ -119,6 +100,8 @@ impl DelayConfig {
 
     /// Prefix of every delay object's name (`{prefix}redeliver.delay.{k}`); use it to isolate
     /// tests or tenants. Empty by default.
+    ///
+    /// Read it back with [`Self::configured_prefix`].
     pub fn prefix(mut self, p: impl Into<String>) -> Self {
         self.prefix = p.into();
         self
@@ -126,6 +109,8 @@ impl DelayConfig {
 
     /// Tick length `g` (default 10 ms). Must be a whole number of milliseconds, at least 1 ms,
     /// since RabbitMQ TTLs are in milliseconds. Delays are rounded up to a multiple of it.
+    ///
+    /// Read it back with [`Self::configured_granularity`].
     pub fn granularity(mut self, g: Duration) -> Self {
         self.granularity = g;
         self
@@ -133,6 +118,8 @@ impl DelayConfig {
 
     /// Number of levels `L` (default 24, at most 32 and limited by 2^(L-1) * g <= 2^32 - 1 ms).
     /// The maximum delay is `(2^L - 1) * g`.
+    ///
+    /// Read it back with [`Self::configured_levels`].
     pub fn levels(mut self, l: u8) -> Self {
         self.levels = l;
         self
@@ -140,63 +127,69 @@ impl DelayConfig {
 
     /// Queue type of the level queues: quorum (default, at-least-once dead-lettering so a hop
     /// never drops a message) or classic (faster, at-most-once between hops).
+    ///
+    /// Read it back with [`Self::configured_queue_type`].
     pub fn queue_type(mut self, t: QueueType) -> Self {
         self.queue_type = t;
         self
     }
 
     /// Clamp delays above the maximum to the maximum instead of refusing them.
+    ///
+    /// Read it back with [`Self::over_max`].
     pub fn clamp_over_max(mut self, yes: bool) -> Self {
         self.over_max = if yes { OverMax::Clamp } else { OverMax::Reject };
         self
     }
 
     /// The configured name prefix.
-    pub fn get_prefix(&self) -> &str {
+    pub fn configured_prefix(&self) -> &str {
         &self.prefix
     }
 
     /// The configured granularity.
-    pub fn get_granularity(&self) -> Duration {
+    pub fn configured_granularity(&self) -> Duration {
         self.granularity
     }
 
     /// The configured level count.
-    pub fn get_levels(&self) -> u8 {
+    pub fn configured_levels(&self) -> u8 {
         self.levels
     }
 
     /// The configured level queue type.
-    pub fn get_queue_type(&self) -> QueueType {
+    pub fn configured_queue_type(&self) -> QueueType {
         self.queue_type
     }
 
     /// What happens to delays above the maximum.
-    pub fn get_over_max(&self) -> OverMax {
+    pub fn over_max(&self) -> OverMax {
         self.over_max
     }
 
     /// Checks granularity and level count.
     pub fn validate(&self) -> Result<(), DelayError> {
-        let invalid = |reason: String| Err(DelayError::InvalidConfig { reason });
         let g_ns = self.granularity.as_nanos();
         if g_ns < 1_000_000 || !g_ns.is_multiple_of(1_000_000) {
-            return invalid(format!(
-                "granularity {:?} must be a whole number of milliseconds, at least 1 ms",
-                self.granularity
-            ));
+            return Err(DelayConfigError::Granularity {
+                granularity: self.granularity,
+            }
+            .into());
         }
         if self.levels == 0 || self.levels > MAX_LEVELS {
-            return invalid(format!(
-                "level count {} must be between 1 and {MAX_LEVELS}",
-                self.levels
-            ));
+            return Err(DelayConfigError::Levels {
+                levels: self.levels,
+                max: MAX_LEVELS,
+            }
+            .into());
         }
         let top_ttl = (1u128 << (self.levels - 1)) * self.granularity.as_millis();
         if top_ttl > MAX_TTL_MS {
-            return invalid(format!(
-                "the top level's TTL of {top_ttl} ms exceeds RabbitMQ's maximum of {MAX_TTL_MS} ms; use fewer levels or a finer granularity"
-            ));
+            return Err(DelayConfigError::TopLevelTtl {
+                ttl_ms: top_ttl,
+                max_ms: MAX_TTL_MS,
+            }
+            .into());
         }
         Ok(())
     }
@@ -337,20 +330,19 @@ impl DelayConfig {
 
     /// Arguments of the unroutable queue: always quorum, and since it parks messages for an
     /// operator, with a delivery limit no listing can reach
-    /// ([`OPERATOR_DELIVERY_LIMIT`](crate::topology::OPERATOR_DELIVERY_LIMIT)).
+    /// ([`OPERATOR_DELIVERY_LIMIT`](OPERATOR_DELIVERY_LIMIT)).
     pub fn unroutable_queue_arguments(&self) -> FieldTable {
         let mut t = FieldTable::default();
         t.insert("x-queue-type".into(), text("quorum"));
         t.insert(
             "x-delivery-limit".into(),
-            AMQPValue::LongLongInt(crate::topology::OPERATOR_DELIVERY_LIMIT),
+            AMQPValue::LongLongInt(OPERATOR_DELIVERY_LIMIT),
         );
         t
     }
 
     /// Every declaration, in an order where each binding's ends already exist.
-    fn declare_ops(&self, passive: bool) -> Vec<ops::Op> {
-        use ops::Op;
+    fn declare_ops(&self, passive: bool) -> Vec<Op> {
         let unroutable = self.unroutable_name();
         let mut v = vec![
             Op::Exchange {
@@ -412,7 +404,7 @@ impl DelayConfig {
     /// caller's channels is closed by the broker's 406.
     pub async fn declare(&self, conn: &lapin::Connection) -> Result<(), TopologyError> {
         self.validate()?;
-        ops::Session::new(conn)
+        declare::Session::new(conn)
             .run_all(self.declare_ops(false))
             .await
     }
@@ -421,7 +413,7 @@ impl DelayConfig {
     /// the configure permission. Bindings and arguments cannot be checked passively.
     pub async fn verify(&self, conn: &lapin::Connection) -> Result<(), TopologyError> {
         self.validate()?;
-        ops::Session::new(conn)
+        declare::Session::new(conn)
             .run_all(self.declare_ops(true))
             .await
     }
@@ -429,7 +421,6 @@ impl DelayConfig {
     /// Deletes every delay exchange and queue, messages included (for tests and the CLI).
     /// Objects that do not exist are skipped.
     pub async fn delete(&self, conn: &lapin::Connection) -> Result<(), TopologyError> {
-        use ops::Op;
         let mut v = Vec::new();
         for k in (0..self.levels).rev() {
             v.push(Op::DeleteQueue {
@@ -448,12 +439,8 @@ impl DelayConfig {
         v.push(Op::DeleteExchange {
             name: self.unroutable_name(),
         });
-        ops::Session::new(conn).run_all(v).await
+        declare::Session::new(conn).run_all(v).await
     }
-}
-
-fn text(s: &str) -> AMQPValue {
-    AMQPValue::LongString(LongString::from(s.as_bytes()))
 }
 
 #[cfg(test)]
@@ -558,7 +545,7 @@ mod tests {
             c.clone().granularity(Duration::ZERO),
         ] {
             assert!(
-                matches!(bad.route("q", ms(1)), Err(DelayError::InvalidConfig { .. })),
+                matches!(bad.route("q", ms(1)), Err(DelayError::InvalidConfig(_))),
                 "{bad:?}"
             );
         }

@@ -225,8 +225,8 @@ pub fn x_death(headers: Option<&FieldTable>) -> Vec<XDeath> {
 /// RabbitMQ (3.10 at least) rewrites `x-death` whenever it dead-letters a message, and its code
 /// crashes on an array element that is not a table or on a `count` that is not an integer: on a
 /// quorum queue the crash takes down dead-lettering for every quorum queue of the node, on a
-/// classic queue the message is lost (RELIABILITY.md, "Findings"). Any publisher can send such a
-/// header, so a worker must never let the broker dead-letter a message carrying one.
+/// classic queue the message is lost. Any publisher can send such a header, so a worker must
+/// never let the broker dead-letter a message carrying one.
 ///
 /// Repair keeps the entries that are tables with an integer (or absent) `count`, drops the rest
 /// (the whole header when nothing is left) and records [`SANITIZED`]. An `x-death` that is not an
@@ -412,7 +412,7 @@ fn is_broker_header(k: &str) -> bool {
 }
 
 /// Truncates `s` to at most `max` bytes, cutting on a char boundary.
-pub fn truncate_to(s: &str, max: usize) -> String {
+pub(crate) fn truncate_to(s: &str, max: usize) -> String {
     if s.len() <= max {
         return s.to_owned();
     }

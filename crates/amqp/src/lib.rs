@@ -10,11 +10,11 @@
 //! a delay of `n = ceil(d / g)` ticks is written in binary into the routing key
 //! (`b(L-1). ... .b0.{queue}`), and the message waits in exactly the levels of its set bits.
 //! Delays are exact per message (so jitter is real) with a fixed number of queues, and since all
-//! messages of a level share one TTL, nothing waits behind a longer delay. See [`delay`].
+//! messages of a level share one TTL, nothing waits behind a longer delay. See [`DelayConfig`].
 //!
 //! # Dead letters through the broker
 //!
-//! Each consumer queue `Q` dead-letters into `Q.dlx` -> `Q.dlq` (see [`topology`]): a worker
+//! Each consumer queue `Q` dead-letters into `Q.dlx` -> `Q.dlq` (see [`Topology`]): a worker
 //! rejects with `requeue = false` and the broker records why in `x-death` (see [`headers`]).
 //! Quorum queues also dead-letter poison messages themselves after `x-delivery-limit`
 //! redeliveries.
@@ -22,7 +22,7 @@
 //! ```no_run
 //! # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
 //! use redeliver_amqp::lapin::{Connection, ConnectionProperties};
-//! use redeliver_amqp::{publisher::Publisher, topology::Topology};
+//! use redeliver_amqp::{Publisher, Topology};
 //! use std::time::Duration;
 //!
 //! let conn = Connection::connect("amqp://guest:guest@127.0.0.1:5672/%2f", ConnectionProperties::default()).await?;
@@ -35,27 +35,35 @@
 //! # Ok(()) }
 //! ```
 
-#![warn(missing_docs)]
+#![warn(missing_docs, missing_debug_implementations, unreachable_pub)]
+#![forbid(unsafe_code)]
 #![cfg_attr(
     not(test),
     warn(clippy::unwrap_used, clippy::expect_used, clippy::panic)
 )]
 
-pub mod delay;
+// One path per item: `headers` and `url` are namespaces of constants and free functions and
+// stay public, with their types; every other module is private and its public items are
+// re-exported here.
 pub mod headers;
-pub mod names;
-pub mod publisher;
-pub mod server;
-pub mod tls;
-pub mod topology;
 pub mod url;
+
+mod declare;
+mod delay;
+mod error;
+mod names;
+mod publisher;
+mod server;
+mod tls;
+mod topology;
 
 pub use lapin;
 
-pub use delay::{DelayConfig, DelayError, DelayRoute, OverMax};
-pub use headers::{DeadLetterInfo, RetryState, XDeath};
-pub use names::{validate_queue_name, NameError};
+pub use declare::{QueueType, OPERATOR_DELIVERY_LIMIT};
+pub use delay::{DelayConfig, DelayRoute, OverMax};
+pub use error::{DelayConfigError, DelayError, TopologyError};
+pub use names::{validate_queue_name, validate_routed_queue_name, NameError, MAX_NAME_BYTES};
 pub use publisher::{OutgoingMessage, PublishError, Publisher};
-pub use server::{BrokerVersion, ServerInfo};
-pub use tls::{ConnectError, TlsConfig};
-pub use topology::{Binding, QueueType, Topology, TopologyError};
+pub use server::{BrokerVersion, ProbeError, ServerInfo, StartFrameError, PROBE_TIMEOUT};
+pub use tls::{connect, connect_url, ConnectError, TlsConfig, TlsError};
+pub use topology::{Binding, Topology};

@@ -11,6 +11,7 @@ pub const MAX_NAME_BYTES: usize = 255;
 
 /// Why a name cannot be used.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
 pub enum NameError {
     /// The name is the empty string.
     #[error("the queue name is empty")]
@@ -48,7 +49,7 @@ pub enum NameError {
 /// key to the name; [`validate_routed_queue_name`] checks that tighter bound.
 ///
 /// ```
-/// use redeliver_amqp::names::validate_queue_name;
+/// use redeliver_amqp::validate_queue_name;
 /// assert!(validate_queue_name("orders.eu").is_ok());
 /// assert!(validate_queue_name("orders.*").is_err());
 /// assert!(validate_queue_name("orders..eu").is_err());
@@ -61,7 +62,7 @@ pub fn validate_queue_name(name: &str) -> Result<(), NameError> {
 /// levels (`levels` one-character words, each followed by a dot, then `name`) fits in 255 bytes.
 ///
 /// ```
-/// use redeliver_amqp::names::validate_routed_queue_name;
+/// use redeliver_amqp::validate_routed_queue_name;
 /// assert!(validate_routed_queue_name(&"a".repeat(207), 24).is_ok());
 /// assert!(validate_routed_queue_name(&"a".repeat(208), 24).is_err());
 /// ```
@@ -96,7 +97,7 @@ fn validate_with_overhead(name: &str, overhead: usize) -> Result<(), NameError> 
 }
 
 /// Checks that an exchange name or routing key fits in an AMQP short string (255 bytes).
-pub fn validate_short(name: &str) -> Result<(), NameError> {
+pub(crate) fn validate_short(name: &str) -> Result<(), NameError> {
     if name.len() > MAX_NAME_BYTES {
         return Err(NameError::TooLong {
             name: name.to_owned(),

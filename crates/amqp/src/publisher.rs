@@ -6,8 +6,8 @@
 //! an ack *and* a return, so the ack alone proves nothing; the returned message is checked.
 //!
 //! ```no_run
-//! # async fn demo(conn: &redeliver_amqp::lapin::Connection) -> Result<(), redeliver_amqp::publisher::PublishError> {
-//! use redeliver_amqp::{delay::DelayConfig, publisher::Publisher};
+//! # async fn demo(conn: &redeliver_amqp::lapin::Connection) -> Result<(), redeliver_amqp::PublishError> {
+//! use redeliver_amqp::{DelayConfig, Publisher};
 //! use std::time::Duration;
 //!
 //! let publisher = Publisher::new(conn, DelayConfig::default()).await?;
@@ -18,7 +18,8 @@
 //! # let _ = id; Ok(()) }
 //! ```
 
-use crate::delay::{DelayConfig, DelayError};
+use crate::delay::DelayConfig;
+use crate::error::DelayError;
 use crate::names::{short, NameError};
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
 use lapin::{BasicProperties, Channel, Confirmation, Connection};
@@ -26,9 +27,9 @@ use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 /// Content type filled in by [`Publisher::publish_bytes`] when none is given.
-pub const OCTET_STREAM: &str = "application/octet-stream";
+pub(crate) const OCTET_STREAM: &str = "application/octet-stream";
 /// Content type of [`Publisher::publish_json`].
-pub const JSON: &str = "application/json";
+pub(crate) const JSON: &str = "application/json";
 
 /// A message body with its properties.
 #[derive(Clone, Debug, Default)]
@@ -51,7 +52,7 @@ impl OutgoingMessage {
     /// A JSON message (`content_type` `application/json`).
     ///
     /// ```
-    /// let m = redeliver_amqp::publisher::OutgoingMessage::json(&[1, 2]).unwrap();
+    /// let m = redeliver_amqp::OutgoingMessage::json(&[1, 2]).unwrap();
     /// assert_eq!(m.body, b"[1,2]");
     /// ```
     pub fn json<T: serde::Serialize + ?Sized>(value: &T) -> Result<Self, serde_json::Error> {
@@ -70,6 +71,7 @@ impl OutgoingMessage {
 
 /// Why a publish failed. In every case the broker has not taken the message.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum PublishError {
     /// The broker nacked the message (for instance a quorum queue at its limit with
     /// `x-overflow = reject-publish`), or confirms were unexpectedly off.
@@ -159,7 +161,7 @@ impl Publisher {
     /// other publish in flight on it. RabbitMQ's default `max_message_size` is 16 MiB from 4.0
     /// and 128 MiB before ([`BrokerVersion::default_max_message_size`]).
     ///
-    /// [`BrokerVersion::default_max_message_size`]: crate::server::BrokerVersion::default_max_message_size
+    /// [`BrokerVersion::default_max_message_size`]: crate::BrokerVersion::default_max_message_size
     pub fn with_max_message_size(mut self, limit: usize) -> Self {
         Arc::make_mut(&mut self.inner).max_message_size = Some(limit);
         self

@@ -1,19 +1,4 @@
-//! What the broker says about itself: product and version, from the server properties of
-//! AMQP's `connection.start`, and the semantics that differ between RabbitMQ versions.
-//!
-//! lapin 4 reads `connection.start` and drops its server properties, so [`ServerInfo::probe`]
-//! opens a short connection of its own: it sends the protocol header, reads `connection.start`
-//! and closes the socket before authenticating (no credentials are sent). The broker logs that
-//! as a client that closed its connection early.
-//!
-//! ```
-//! use redeliver_amqp::server::BrokerVersion;
-//!
-//! let v = BrokerVersion::parse("4.3.6").unwrap();
-//! assert!(!v.requeue_counts_toward_delivery_limit());
-//! assert_eq!(v.default_delivery_limit(), Some(20));
-//! assert_eq!(BrokerVersion::parse("3.10.8").unwrap().default_delivery_limit(), None);
-//! ```
+//! What the broker says about itself, and the semantics that differ between RabbitMQ versions.
 
 use std::fmt;
 use std::str::FromStr;
@@ -111,11 +96,26 @@ impl FromStr for BrokerVersion {
     type Err = ProbeError;
 
     fn from_str(s: &str) -> Result<Self, Self::Err> {
-        Self::parse(s).ok_or_else(|| ProbeError::Protocol(format!("not a version: {s:?}")))
+        Self::parse(s)
+            .ok_or_else(|| ProbeError::Protocol(StartFrameError::Version { text: s.to_owned() }))
     }
 }
 
 /// What a broker announced in `connection.start`.
+///
+/// lapin 4 reads `connection.start` and drops its server properties, so [`ServerInfo::probe`]
+/// opens a short connection of its own: it sends the protocol header, reads `connection.start`
+/// and closes the socket before authenticating (no credentials are sent). The broker logs that
+/// as a client that closed its connection early.
+///
+/// ```
+/// use redeliver_amqp::BrokerVersion;
+///
+/// let v = BrokerVersion::parse("4.3.6").unwrap();
+/// assert!(!v.requeue_counts_toward_delivery_limit());
+/// assert_eq!(v.default_delivery_limit(), Some(20));
+/// assert_eq!(BrokerVersion::parse("3.10.8").unwrap().default_delivery_limit(), None);
+/// ```
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ServerInfo {
     product: String,
@@ -128,9 +128,10 @@ pub struct ServerInfo {
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum ProbeError {
-    /// The URL does not parse.
-    #[error("not an AMQP URL: {0}")]
-    Url(String),
+    /// The URL does not parse. The parser's own message is left out: it can quote the URL,
+    /// password included.
+    #[error("not an AMQP URL: expected amqp://user:password@host:port/vhost")]
+    Url,
     /// Connecting (TCP or TLS) or reading failed.
     #[error("cannot reach the broker at {endpoint}: {source}")]
     Io {
@@ -150,7 +151,40 @@ pub enum ProbeError {
     },
     /// The peer answered with something other than AMQP 0-9-1's `connection.start`.
     #[error("not an AMQP 0-9-1 broker: {0}")]
-    Protocol(String),
+    Protocol(StartFrameError),
+}
+
+/// How the peer's first frame differs from AMQP 0-9-1's `connection.start`.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum StartFrameError {
+    /// The peer answered with a protocol header: it does not speak AMQP 0-9-1.
+    #[error("the broker refused protocol AMQP 0-9-1")]
+    Refused,
+    /// The first frame is larger than any `connection.start`.
+    #[error("first frame of {size} bytes")]
+    TooLarge {
+        /// Its announced size in bytes.
+        size: usize,
+    },
+    /// The frame does not parse.
+    #[error("unreadable first frame: {reason}")]
+    Unreadable {
+        /// The frame parser's message.
+        reason: String,
+    },
+    /// The announced version is not `major.minor.patch`.
+    #[error("not a version: {text:?}")]
+    Version {
+        /// The version text.
+        text: String,
+    },
+    /// A frame other than `connection.start`.
+    #[error("expected connection.start, got {frame}")]
+    Unexpected {
+        /// The frame received, as `Debug` shows it.
+        frame: String,
+    },
 }
 
 impl ServerInfo {
@@ -171,9 +205,7 @@ impl ServerInfo {
     /// [`PROBE_TIMEOUT`].
     pub async fn probe(url: &str) -> Result<Self, ProbeError> {
         // The parser's message can quote the URL, password included: not passed on.
-        let uri: AMQPUri = url.parse().map_err(|_: String| {
-            ProbeError::Url("expected amqp://user:password@host:port/vhost".into())
-        })?;
+        let uri: AMQPUri = url.parse().map_err(|_: String| ProbeError::Url)?;
         Self::probe_uri(&uri, OwnedTLSConfig::default()).await
     }
 
@@ -204,13 +236,11 @@ impl ServerInfo {
             let mut header = [0u8; 7];
             stream.read_exact(&mut header).await.map_err(io)?;
             if &header[..4] == b"AMQP" {
-                return Err(ProbeError::Protocol(
-                    "the broker refused protocol AMQP 0-9-1".into(),
-                ));
+                return Err(ProbeError::Protocol(StartFrameError::Refused));
             }
             let size = u32::from_be_bytes([header[3], header[4], header[5], header[6]]) as usize;
             if size > MAX_START_FRAME {
-                return Err(ProbeError::Protocol(format!("first frame of {size} bytes")));
+                return Err(ProbeError::Protocol(StartFrameError::TooLarge { size }));
             }
             let mut frame = header.to_vec();
             frame.resize(7 + size + 1, 0);
@@ -228,17 +258,20 @@ impl ServerInfo {
     /// Parses a raw `connection.start` frame.
     fn from_start_frame(frame: &[u8]) -> Result<Self, ProbeError> {
         use lapin::protocol::connection::AMQPMethod;
-        let parsed = amq_protocol::frame::parse_frame(frame)
-            .map_err(|e| ProbeError::Protocol(format!("unreadable first frame: {e}")))?;
+        let parsed = amq_protocol::frame::parse_frame(frame).map_err(|e| {
+            ProbeError::Protocol(StartFrameError::Unreadable {
+                reason: e.to_string(),
+            })
+        })?;
         let start = match parsed.1 {
             amq_protocol::frame::AMQPFrame::Method(
                 0,
                 AMQPClass::Connection(AMQPMethod::Start(s)),
             ) => s,
             other => {
-                return Err(ProbeError::Protocol(format!(
-                    "expected connection.start, got {other:?}"
-                )))
+                return Err(ProbeError::Protocol(StartFrameError::Unexpected {
+                    frame: format!("{other:?}"),
+                }))
             }
         };
         let props = start.server_properties.inner();

@@ -1,27 +1,4 @@
 //! TLS (`amqps://`) and how every connection of redeliver is opened.
-//!
-//! With the `tls` feature (on by default in `redeliver` and the CLI) an `amqps://` URL connects
-//! through rustls: the broker's certificate must chain to a root of the system store or to the CA
-//! bundle given here, and must name the URL's host. There is no switch to accept an invalid
-//! certificate. Without the feature an `amqps://` URL is refused before anything connects, never
-//! sent in plain text.
-//!
-//! Mutual TLS: a client certificate and key (PEM). With [`TlsConfig::sasl_external`] the broker
-//! logs the client in by that certificate (RabbitMQ's `rabbitmq_auth_mechanism_ssl` plugin, user
-//! named by the certificate's CN by default) and the URL needs no password.
-//!
-//! ```no_run
-//! # async fn demo() -> Result<(), redeliver_amqp::tls::ConnectError> {
-//! use redeliver_amqp::lapin::ConnectionProperties;
-//! use redeliver_amqp::tls::{connect, TlsConfig};
-//!
-//! let tls = TlsConfig::new()
-//!     .ca_file("/etc/redeliver/ca.pem")
-//!     .client_cert("/etc/redeliver/client.pem", "/etc/redeliver/client.key")
-//!     .sasl_external(true);
-//! let conn = connect("amqps://rabbit.internal:5671/%2f", ConnectionProperties::default(), &tls).await?;
-//! # let _ = conn; Ok(()) }
-//! ```
 
 use std::fmt;
 use std::path::{Path, PathBuf};
@@ -32,11 +9,31 @@ use lapin::{Connection, ConnectionProperties};
 
 use crate::url::{BrokerUrl, UrlError};
 
-/// Whether this build speaks TLS (the `tls` feature).
-pub const ENABLED: bool = cfg!(feature = "tls");
-
 /// TLS settings of a connection. Paths are read when connecting, so a rotated certificate is
 /// picked up at the next reconnect. `Debug` shows paths only.
+///
+/// With the `tls` feature (on by default in `redeliver` and the CLI) an `amqps://` URL connects
+/// through rustls: the broker's certificate must chain to a root of the system store or to the CA
+/// bundle given here, and must name the URL's host. There is no switch to accept an invalid
+/// certificate. Without the feature an `amqps://` URL is refused before anything connects, never
+/// sent in plain text.
+///
+/// Mutual TLS: a client certificate and key (PEM). With [`TlsConfig::sasl_external`] the broker
+/// logs the client in by that certificate (RabbitMQ's `rabbitmq_auth_mechanism_ssl` plugin, user
+/// named by the certificate's CN by default) and the URL needs no password.
+///
+/// ```no_run
+/// # async fn demo() -> Result<(), redeliver_amqp::ConnectError> {
+/// use redeliver_amqp::lapin::ConnectionProperties;
+/// use redeliver_amqp::{connect, TlsConfig};
+///
+/// let tls = TlsConfig::new()
+///     .ca_file("/etc/redeliver/ca.pem")
+///     .client_cert("/etc/redeliver/client.pem", "/etc/redeliver/client.key")
+///     .sasl_external(true);
+/// let conn = connect("amqps://rabbit.internal:5671/%2f", ConnectionProperties::default(), &tls).await?;
+/// # let _ = conn; Ok(()) }
+/// ```
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct TlsConfig {
     ca_file: Option<PathBuf>,
@@ -97,15 +94,13 @@ impl TlsConfig {
     /// certificate.
     pub fn check(&self, url: &BrokerUrl) -> Result<(), ConnectError> {
         if self.sasl_external && self.client_cert.is_none() {
-            return Err(ConnectError::Tls(
-                "SASL EXTERNAL logs in with the client certificate: give one (client certificate and key)".into(),
-            ));
+            return Err(TlsError::SaslExternalWithoutCert.into());
         }
         if self.is_configured() && !url.is_tls() {
-            return Err(ConnectError::Tls(format!(
-                "TLS settings (CA bundle, client certificate, SASL EXTERNAL) are given but '{}' is not an amqps:// URL",
-                url.redacted()
-            )));
+            return Err(TlsError::NotAmqps {
+                redacted: url.redacted().to_owned(),
+            }
+            .into());
         }
         Ok(())
     }
@@ -113,21 +108,19 @@ impl TlsConfig {
     /// Reads the files into lapin's form.
     pub fn load(&self) -> Result<OwnedTLSConfig, ConnectError> {
         let read = |what: &'static str, p: &Path| {
-            std::fs::read(p).map_err(|e| {
-                ConnectError::Tls(format!("cannot read the {what} {}: {e}", p.display()))
+            std::fs::read(p).map_err(|error| TlsError::Read {
+                what,
+                path: p.to_owned(),
+                error,
             })
         };
         let cert_chain = match &self.ca_file {
             Some(p) => {
                 let pem = read("CA bundle", p)?;
-                let pem = String::from_utf8(pem).map_err(|_| {
-                    ConnectError::Tls(format!("the CA bundle {} is not PEM text", p.display()))
-                })?;
+                let pem =
+                    String::from_utf8(pem).map_err(|_| TlsError::NotPem { path: p.to_owned() })?;
                 if !pem.contains("-----BEGIN CERTIFICATE-----") {
-                    return Err(ConnectError::Tls(format!(
-                        "the CA bundle {} holds no PEM certificate",
-                        p.display()
-                    )));
+                    return Err(TlsError::NoCertificate { path: p.to_owned() }.into());
                 }
                 Some(pem)
             }
@@ -156,7 +149,7 @@ pub enum ConnectError {
     Url(#[from] UrlError),
     /// The TLS settings are unusable.
     #[error("TLS: {0}")]
-    Tls(String),
+    Tls(TlsError),
     /// The broker's certificate was refused (unknown CA, wrong host name, expired), or the broker
     /// refused ours.
     #[error("TLS handshake with {endpoint} failed: {reason}")]
@@ -175,6 +168,53 @@ pub enum ConnectError {
         /// lapin's error.
         #[source]
         source: lapin::Error,
+    },
+}
+
+// By hand, not `#[from]`: the message already holds the inner one, which as `source()` too
+// would be printed twice by a chain printer.
+impl From<TlsError> for ConnectError {
+    fn from(e: TlsError) -> Self {
+        ConnectError::Tls(e)
+    }
+}
+
+/// Why the TLS settings cannot be used.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum TlsError {
+    /// SASL EXTERNAL without a client certificate to log in with.
+    #[error(
+        "SASL EXTERNAL logs in with the client certificate: give one (client certificate and key)"
+    )]
+    SaslExternalWithoutCert,
+    /// TLS settings for a plain `amqp://` URL, where they would be ignored.
+    #[error("TLS settings (CA bundle, client certificate, SASL EXTERNAL) are given but '{redacted}' is not an amqps:// URL")]
+    NotAmqps {
+        /// The URL, password masked.
+        redacted: String,
+    },
+    /// A file of the settings cannot be read.
+    #[error("cannot read the {what} {}: {error}", path.display())]
+    Read {
+        /// `CA bundle`, `client certificate` or `client key`.
+        what: &'static str,
+        /// The file.
+        path: PathBuf,
+        /// The I/O error (in the message, so not also a `source()`).
+        error: std::io::Error,
+    },
+    /// The CA bundle is not text.
+    #[error("the CA bundle {} is not PEM text", path.display())]
+    NotPem {
+        /// The file.
+        path: PathBuf,
+    },
+    /// The CA bundle holds no `BEGIN CERTIFICATE` block.
+    #[error("the CA bundle {} holds no PEM certificate", path.display())]
+    NoCertificate {
+        /// The file.
+        path: PathBuf,
     },
 }
 

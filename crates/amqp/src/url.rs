@@ -23,6 +23,10 @@ use std::path::{Path, PathBuf};
 use lapin::uri::{AMQPScheme, AMQPUri};
 use percent_encoding::percent_decode_str;
 
+/// Whether this build speaks TLS (the `tls` feature): without it [`BrokerUrl::parse`] refuses
+/// `amqps://` URLs.
+pub const TLS_ENABLED: bool = cfg!(feature = "tls");
+
 /// What replaces a password.
 pub const MASK: &str = "***";
 
@@ -86,7 +90,7 @@ fn password_range(url: &str) -> Option<(usize, usize)> {
 
 /// Every form in which the passwords of `url` (one or several, `;`-separated) could appear in a
 /// text: as written and percent-decoded. Empty passwords are left out.
-pub fn secrets_of(url: &str) -> Vec<String> {
+pub(crate) fn secrets_of(url: &str) -> Vec<String> {
     let mut out: Vec<String> = Vec::new();
     for one in split_list(url) {
         let Some((s, e)) = password_range(one) else {
@@ -106,7 +110,7 @@ pub fn secrets_of(url: &str) -> Vec<String> {
 }
 
 /// Replaces each of `secrets` in `text` by [`MASK`].
-pub fn scrub_with(text: &str, secrets: &[String]) -> String {
+pub(crate) fn scrub_with(text: &str, secrets: &[String]) -> String {
     let mut out = text.to_owned();
     for s in secrets {
         if !s.is_empty() {
@@ -179,7 +183,7 @@ impl BrokerUrl {
             // amq-protocol-uri's message can quote the whole URL, password included.
             reason: scrub_with(&e.replace(raw, &redacted), &secrets),
         })?;
-        if uri.scheme == AMQPScheme::AMQPS && !crate::tls::ENABLED {
+        if uri.scheme == AMQPScheme::AMQPS && !TLS_ENABLED {
             return Err(UrlError::TlsDisabled { redacted });
         }
         // A password equal to the user name cannot be scrubbed without hiding the user name too;
@@ -356,7 +360,7 @@ mod tests {
     #[test]
     fn tls_urls_need_the_feature() {
         let r = BrokerUrl::parse("amqps://u:secret@h:5671/%2f");
-        if crate::tls::ENABLED {
+        if TLS_ENABLED {
             assert!(r.unwrap().is_tls());
         } else {
             let e = r.unwrap_err();

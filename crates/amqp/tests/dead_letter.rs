@@ -4,7 +4,7 @@ mod common;
 use redeliver_amqp::headers::x_death;
 use redeliver_amqp::lapin::options::{BasicAckOptions, BasicNackOptions, BasicRejectOptions};
 use redeliver_amqp::lapin::{BasicProperties, Connection};
-use redeliver_amqp::topology::QueueType;
+use redeliver_amqp::QueueType;
 use redeliver_amqp::{DelayConfig, Publisher, Topology, TopologyError};
 use std::time::Duration;
 

@@ -4,12 +4,15 @@
 use std::time::Duration;
 
 use anyhow::{anyhow, Context, Result};
+use base64::engine::general_purpose::STANDARD;
+use base64::Engine as _;
 use lapin::options::QueueDeclareOptions;
 use lapin::types::FieldTable;
 use lapin::{Connection, ConnectionProperties};
+use percent_encoding::{utf8_percent_encode, AsciiSet, NON_ALPHANUMERIC};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
-use redeliver_amqp::tls::TlsConfig;
+use redeliver_amqp::TlsConfig;
 
 /// TLS settings for an `amqps://` URL, from the worker's variables: `REDELIVER_TLS_CA_FILE`
 /// (and the client certificate ones), so both sides of a run connect the same way.
@@ -32,7 +35,7 @@ pub fn tls_from_env() -> TlsConfig {
 pub async fn connect(url: &str) -> Result<Connection> {
     let attempt = tokio::time::timeout(
         Duration::from_secs(10),
-        redeliver_amqp::tls::connect(url, ConnectionProperties::default(), &tls_from_env()),
+        redeliver_amqp::connect(url, ConnectionProperties::default(), &tls_from_env()),
     )
     .await;
     match attempt {
@@ -151,36 +154,18 @@ fn split_credentials(base: &str) -> (Option<String>, String) {
     }
 }
 
+/// A name as one path segment: everything but RFC 3986's unreserved characters encoded.
 fn encode(s: &str) -> String {
-    s.bytes()
-        .map(|b| match b {
-            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'_' | b'.' | b'~' => {
-                (b as char).to_string()
-            }
-            _ => format!("%{b:02X}"),
-        })
-        .collect()
+    const SEGMENT: &AsciiSet = &NON_ALPHANUMERIC
+        .remove(b'-')
+        .remove(b'_')
+        .remove(b'.')
+        .remove(b'~');
+    utf8_percent_encode(s, SEGMENT).to_string()
 }
 
 fn base64(input: &[u8]) -> String {
-    const T: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
-    let mut out = String::new();
-    for chunk in input.chunks(3) {
-        let b = [
-            chunk[0],
-            chunk.get(1).copied().unwrap_or(0),
-            chunk.get(2).copied().unwrap_or(0),
-        ];
-        let n = (u32::from(b[0]) << 16) | (u32::from(b[1]) << 8) | u32::from(b[2]);
-        for i in 0..4 {
-            if i <= chunk.len() {
-                out.push(T[((n >> (18 - 6 * i)) & 63) as usize] as char);
-            } else {
-                out.push('=');
-            }
-        }
-    }
-    out
+    STANDARD.encode(input)
 }
 
 #[cfg(test)]

@@ -11,7 +11,7 @@ use futures::stream::{FuturesUnordered, StreamExt};
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
 use lapin::Confirmation;
 use lapin::{BasicProperties, Channel, Connection};
-use redeliver_amqp::publisher::Publisher;
+use redeliver_amqp::Publisher;
 
 use crate::child::Side;
 use crate::config::CONFIRM_WINDOW;
@@ -38,7 +38,7 @@ impl BenchPublisher {
     pub async fn new(
         side: Side,
         conn: &Connection,
-        delay: redeliver_amqp::delay::DelayConfig,
+        delay: redeliver_amqp::DelayConfig,
         pad: Arc<str>,
         seq: Arc<AtomicU64>,
     ) -> Result<Self> {

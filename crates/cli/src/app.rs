@@ -1,7 +1,7 @@
 //! Dispatch: turns parsed arguments into one command run against one connection.
 
-use redeliver_amqp::delay::DelayConfig;
-use redeliver_amqp::topology::Topology;
+use redeliver_amqp::DelayConfig;
+use redeliver_amqp::Topology;
 
 use crate::cli::{
     Cli, Command, DelayCmd, DlqCmd, FilterArgs, ListArgs, PeekArgs, PurgeArgs, ReplayArgs,
@@ -14,7 +14,7 @@ use crate::select::Filter;
 use crate::{probe, topology, triage};
 
 /// Everything main needs to print an error well: the URL (to scrub the password) and hints.
-pub struct Invocation {
+pub(crate) struct Invocation {
     pub url: Option<BrokerUrl>,
     pub hints: HintContext,
 }
@@ -129,7 +129,7 @@ fn dlq_source(queue: &str, prefix: &str) -> Source {
 
 /// Parses the URL and the confirmations, returning what error printing needs even when the
 /// command then fails.
-pub fn prepare(cli: &Cli) -> (Invocation, Result<(), anyhow::Error>) {
+pub(crate) fn prepare(cli: &Cli) -> (Invocation, Result<(), anyhow::Error>) {
     let hints = hints_for(&cli.command);
     let url = match conn::broker_url(cli) {
         Ok(u) => u,
@@ -146,7 +146,7 @@ pub fn prepare(cli: &Cli) -> (Invocation, Result<(), anyhow::Error>) {
 }
 
 /// Runs the command. `url` comes from [`prepare`].
-pub async fn run(cli: Cli, url: &BrokerUrl) -> anyhow::Result<()> {
+pub(crate) async fn run(cli: Cli, url: &BrokerUrl) -> anyhow::Result<()> {
     let tls = conn::tls_config(&cli);
     let conn = conn::connect(url, &tls, cli.connect_timeout).await?;
     let result = dispatch(cli.command, &conn).await;

@@ -26,21 +26,24 @@ use crate::output;
 /// How long to wait for the next delivery before concluding the broker has no more for us
 /// (someone else consumed them, or the queue shrank since the count). Deliveries of ready
 /// messages normally follow each other within milliseconds.
-pub const IDLE: Duration = Duration::from_secs(3);
+pub(crate) const IDLE: Duration = Duration::from_secs(3);
 
 /// Largest prefetch AMQP can express (basic.qos prefetch-count is a short).
-pub const MAX_PREFETCH: u32 = u16::MAX as u32;
+pub(crate) const MAX_PREFETCH: u32 = u16::MAX as u32;
 
 /// Live counts of a queue, from a passive declare.
 #[derive(Clone, Copy, Debug)]
-pub struct QueueCounts {
+pub(crate) struct QueueCounts {
     pub messages: u32,
     pub consumers: u32,
 }
 
 /// Passive declare of `queue` on a throwaway channel (a 404 closes the channel it happens on).
 /// `Ok(None)` when the queue does not exist.
-pub async fn probe_queue(conn: &Connection, queue: &str) -> anyhow::Result<Option<QueueCounts>> {
+pub(crate) async fn probe_queue(
+    conn: &Connection,
+    queue: &str,
+) -> anyhow::Result<Option<QueueCounts>> {
     let ch = conn
         .create_channel()
         .await
@@ -70,7 +73,7 @@ pub async fn probe_queue(conn: &Connection, queue: &str) -> anyhow::Result<Optio
 }
 
 /// Like [`probe_queue`] but a missing queue is an error that tells how to declare it.
-pub async fn require_queue(conn: &Connection, queue: &str) -> anyhow::Result<QueueCounts> {
+pub(crate) async fn require_queue(conn: &Connection, queue: &str) -> anyhow::Result<QueueCounts> {
     probe_queue(conn, queue).await?.ok_or_else(|| {
         anyhow::Error::new(QueueMissing {
             queue: queue.to_owned(),
@@ -79,14 +82,14 @@ pub async fn require_queue(conn: &Connection, queue: &str) -> anyhow::Result<Que
 }
 
 /// True for the broker's 404 NOT_FOUND.
-pub fn is_not_found(e: &lapin::Error) -> bool {
+pub(crate) fn is_not_found(e: &lapin::Error) -> bool {
     matches!(e.kind(), ErrorKind::ProtocolError(a) if a.get_id() == 404)
 }
 
 /// A consumer over one queue whose unacknowledged deliveries all go back, in order, when it is
 /// closed. Used by list and peek (which acknowledge nothing) and replay (which acknowledges
 /// only what it has safely republished).
-pub struct Reader {
+pub(crate) struct Reader {
     channel: Channel,
     consumer: Consumer,
     queue: String,
@@ -94,7 +97,11 @@ pub struct Reader {
 
 impl Reader {
     /// Starts consuming `queue` with manual acks and `prefetch` (clamped to 1..=65535).
-    pub async fn open(conn: &Connection, queue: &str, prefetch: u32) -> anyhow::Result<Self> {
+    pub(crate) async fn open(
+        conn: &Connection,
+        queue: &str,
+        prefetch: u32,
+    ) -> anyhow::Result<Self> {
         let channel = conn
             .create_channel()
             .await
@@ -135,7 +142,7 @@ impl Reader {
 
     /// The next delivery, or `None` when none came within `idle` or the consumer was cancelled
     /// by the broker (queue deleted).
-    pub async fn next(&mut self, idle: Duration) -> anyhow::Result<Option<Delivery>> {
+    pub(crate) async fn next(&mut self, idle: Duration) -> anyhow::Result<Option<Delivery>> {
         match tokio::time::timeout(idle, self.consumer.next()).await {
             Ok(Some(Ok(d))) => Ok(Some(d)),
             Ok(Some(Err(e))) => {
@@ -147,7 +154,7 @@ impl Reader {
 
     /// Closes the channel: the broker requeues every unacknowledged delivery in its original
     /// position. Waits for close-ok so the messages are back before the command exits.
-    pub async fn close(self) -> anyhow::Result<()> {
+    pub(crate) async fn close(self) -> anyhow::Result<()> {
         self.channel
             .close(200, "redeliver-cli done".into())
             .await
@@ -163,7 +170,7 @@ impl Reader {
 
 /// What a [`scan`] saw.
 #[derive(Clone, Copy, Debug)]
-pub struct Scanned {
+pub(crate) struct Scanned {
     /// The queue's counts when the scan started.
     pub counts: QueueCounts,
     /// How many messages the scan meant to read: the ready count, at most the limit.
@@ -175,7 +182,7 @@ pub struct Scanned {
 
 impl Scanned {
     /// The stderr note for a scan that read fewer messages than it expected; None when complete.
-    pub fn shortfall_note(&self, queue: &str) -> Option<String> {
+    pub(crate) fn shortfall_note(&self, queue: &str) -> Option<String> {
         (self.read < self.expected).then(|| {
             format!(
                 "note: the broker handed out {} of the {} expected messages within {}s (another \
@@ -193,7 +200,7 @@ impl Scanned {
 /// `each` returns, so counting a large queue does not hold all of it in memory (lapin still
 /// buffers what the broker sends ahead of the reader). A progress bar (`what`) shows on a
 /// terminal.
-pub async fn scan(
+pub(crate) async fn scan(
     conn: &Connection,
     queue: &str,
     limit: u32,
@@ -235,7 +242,7 @@ pub async fn scan(
 /// Reads up to `limit` messages of `queue` and puts them all back, in order.
 /// Returns what the scan saw and the deliveries (their ackers are dead once this returns:
 /// nothing can acknowledge them by accident).
-pub async fn snapshot(
+pub(crate) async fn snapshot(
     conn: &Connection,
     queue: &str,
     limit: u32,

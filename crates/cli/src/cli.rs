@@ -7,11 +7,11 @@ use clap::{Args, Parser, Subcommand, ValueEnum};
 
 /// RabbitMQ's out-of-the-box account on the local machine. This is a public, documented default,
 /// not a secret; any password given with `--url`/`AMQP_URL` is never printed.
-pub const DEFAULT_URL: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
+pub(crate) const DEFAULT_URL: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
 
 /// How listing works, shared by the long help of every command that reads a queue without
 /// consuming it. Kept in one place so `--help` and the docs cannot drift apart.
-pub const LISTING_METHOD: &str = "\
+pub(crate) const LISTING_METHOD: &str = "\
 How messages are read without removing them: the command first asks the broker how many \
 messages are ready (passive queue.declare), opens a consumer with manual acknowledgements and \
 a prefetch of exactly that many (at most --limit), takes the deliveries, and then closes its \
@@ -27,13 +27,13 @@ which no listing can reach (a classic Q.dlq has no limit at all). Messages publi
 listing runs are not shown.";
 
 /// What --json promises, shared by the long help of every command that has it.
-pub const JSON_OUTPUT: &str = "\
+pub(crate) const JSON_OUTPUT: &str = "\
 With --json, stdout holds exactly one JSON document and nothing else: progress bars, notes and \
 errors go to stderr, and a failure still sets the exit code. The keys are a stable interface \
 for scripts: keys may be added, existing ones keep their name and meaning.";
 
 /// Where the triage fields come from, shared by `dlq list`, `dlq stats` and the selections.
-pub const TRIAGE_FIELDS: &str = "\
+pub(crate) const TRIAGE_FIELDS: &str = "\
 Why a message died (REASON, JSON \"reason\"): the worker's annotation \
 (x-redeliver-dead-letter-reason: permanent, retries_exhausted, budget_exhausted, undecodable, \
 too_large, requeue_limit) when it published the dead letter itself, else the broker's x-death \
@@ -43,7 +43,7 @@ reason (rejected, expired, maxlen, delivery_limit), else none. Its final error (
 annotation's time, else the broker's x-death time.";
 
 /// How --reason, --error-contains, --older-than and --message-id select, for `replay`/`purge`.
-pub const SELECTION: &str = "\
+pub(crate) const SELECTION: &str = "\
 Selection: --reason R takes the messages whose reason is exactly R (as `dlq list` shows it); \
 --error-contains TEXT those whose final error contains TEXT (case-sensitive); --older-than \
 DURATION those dead-lettered at least that long ago (30m, 12h, 7d; a message whose time is \
@@ -71,7 +71,7 @@ destructive command without --yes).",
     after_help = "The password in --url / AMQP_URL is never printed; messages show it as ***. amqps:// \
 URLs connect with TLS and verify the broker's certificate and host name."
 )]
-pub struct Cli {
+pub(crate) struct Cli {
     /// Broker URL: amqp://USER:PASSWORD@HOST:PORT/VHOST (the vhost '/' is written %2f).
     /// Defaults to the local broker, 127.0.0.1:5672, with the guest account
     #[arg(
@@ -168,7 +168,7 @@ pub struct Cli {
 }
 
 #[derive(Subcommand, Debug)]
-pub enum Command {
+pub(crate) enum Command {
     /// Declare, verify or show the objects of one consumer queue (Q, Q.dlx, Q.dlq, delay levels)
     #[command(subcommand)]
     Topology(TopologyCmd),
@@ -184,7 +184,7 @@ pub enum Command {
 }
 
 #[derive(Subcommand, Debug)]
-pub enum TopologyCmd {
+pub(crate) enum TopologyCmd {
     /// Declare Q, Q.dlx, Q.dlq and the delay infrastructure (idempotent)
     #[command(
         long_about = format!("Declare everything one consumer needs: the queue Q (quorum unless \
@@ -228,7 +228,7 @@ prints {{\"deleted\": true, \"queue\", \"dlx\", \"dlq\", \"delay_deleted\", \"de
 /// Options describing one consumer's topology. They must match what the service declares, or
 /// `verify`/`declare` report a mismatch.
 #[derive(Args, Debug, Clone)]
-pub struct TopologyArgs {
+pub(crate) struct TopologyArgs {
     /// Queue name, without the prefix
     #[arg(value_name = "QUEUE")]
     pub queue: String,
@@ -267,7 +267,7 @@ pub struct TopologyArgs {
 
 /// `topology declare|verify|show` take the topology options plus an output format.
 #[derive(Args, Debug, Clone)]
-pub struct TopologyCmdArgs {
+pub(crate) struct TopologyCmdArgs {
     #[command(flatten)]
     pub topology: TopologyArgs,
     /// Print JSON instead of text (one document on stdout; keys in the long help)
@@ -276,7 +276,7 @@ pub struct TopologyCmdArgs {
 }
 
 #[derive(Args, Debug, Clone)]
-pub struct DeleteArgs {
+pub(crate) struct DeleteArgs {
     /// Queue name, without the prefix
     #[arg(value_name = "QUEUE")]
     pub queue: String,
@@ -299,7 +299,7 @@ pub struct DeleteArgs {
 
 /// Shape of the shared delay infrastructure. Only needed when it differs from the defaults.
 #[derive(Args, Debug, Clone)]
-pub struct DelayArgs {
+pub(crate) struct DelayArgs {
     /// Number of binary delay levels (max delay = (2^levels - 1) * granularity)
     #[arg(long, default_value_t = 24, value_name = "L", value_parser = clap::value_parser!(u8).range(1..=32))]
     pub levels: u8,
@@ -313,7 +313,7 @@ pub struct DelayArgs {
 
 /// Which queue and prefix a DLQ command works on.
 #[derive(Args, Debug, Clone)]
-pub struct QueueArgs {
+pub(crate) struct QueueArgs {
     /// Queue name, without the prefix (the DLQ is QUEUE.dlq)
     #[arg(value_name = "QUEUE")]
     pub queue: String,
@@ -323,7 +323,7 @@ pub struct QueueArgs {
 }
 
 #[derive(Subcommand, Debug)]
-pub enum DlqCmd {
+pub(crate) enum DlqCmd {
     /// Table of dead-lettered messages, or counts per reason or error, without removing them
     #[command(long_about = format!("List dead-lettered messages of QUEUE.dlq, oldest first, \
 without removing them: position, message_id, when it was dead-lettered, attempts (retries \
@@ -389,7 +389,7 @@ images --reason undecodable --older-than 7d --yes`.\n\n--json prints {{\"queue\"
 
 /// What `dlq list --group-by` counts by.
 #[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
-pub enum GroupBy {
+pub(crate) enum GroupBy {
     /// The reason the message died
     Reason,
     /// The final error
@@ -397,7 +397,7 @@ pub enum GroupBy {
 }
 
 #[derive(Args, Debug, Clone)]
-pub struct ListArgs {
+pub(crate) struct ListArgs {
     #[command(flatten)]
     pub queue: QueueArgs,
     /// Show (or, with --group-by, count) at most N messages from the head of the queue
@@ -412,7 +412,7 @@ pub struct ListArgs {
 }
 
 #[derive(Args, Debug, Clone)]
-pub struct StatsArgs {
+pub(crate) struct StatsArgs {
     #[command(flatten)]
     pub queue: QueueArgs,
     /// Read at most N messages from the head of the queue
@@ -425,7 +425,7 @@ pub struct StatsArgs {
 
 /// Which dead letters `dlq replay` and `dlq purge` act on.
 #[derive(Args, Debug, Clone, Default)]
-pub struct FilterArgs {
+pub(crate) struct FilterArgs {
     /// Only messages with this reason, as `dlq list` shows it (permanent, retries_exhausted,
     /// rejected, ...)
     #[arg(long, value_name = "REASON", help_heading = SELECTION_HEADING,
@@ -445,7 +445,7 @@ pub struct FilterArgs {
 
 impl FilterArgs {
     /// True when any criterion is given.
-    pub fn any(&self) -> bool {
+    pub(crate) fn any(&self) -> bool {
         self.reason.is_some()
             || self.error_contains.is_some()
             || self.older_than.is_some()
@@ -454,7 +454,7 @@ impl FilterArgs {
 }
 
 #[derive(Args, Debug, Clone)]
-pub struct PeekArgs {
+pub(crate) struct PeekArgs {
     #[command(flatten)]
     pub queue: QueueArgs,
     /// message_id of the message to print (the first match from the head)
@@ -466,7 +466,7 @@ pub struct PeekArgs {
 }
 
 #[derive(Args, Debug, Clone)]
-pub struct ReplayArgs {
+pub(crate) struct ReplayArgs {
     #[command(flatten)]
     pub queue: QueueArgs,
     /// Move at most N (selected) messages
@@ -483,7 +483,7 @@ pub struct ReplayArgs {
 }
 
 #[derive(Args, Debug, Clone)]
-pub struct PurgeArgs {
+pub(crate) struct PurgeArgs {
     #[command(flatten)]
     pub queue: QueueArgs,
     #[command(flatten)]
@@ -499,7 +499,7 @@ pub struct PurgeArgs {
 /// The parking queue is shared by every consumer of a prefix, so these commands take no QUEUE;
 /// `--queue` filters by destination instead.
 #[derive(Args, Debug, Clone)]
-pub struct UnroutableArgs {
+pub(crate) struct UnroutableArgs {
     /// Prefix of the delay infrastructure
     #[arg(long, default_value = "", value_name = "P")]
     pub prefix: String,
@@ -512,7 +512,7 @@ pub struct UnroutableArgs {
 }
 
 #[derive(Subcommand, Debug)]
-pub enum UnroutableCmd {
+pub(crate) enum UnroutableCmd {
     /// Table of parked messages, without removing them
     #[command(long_about = format!("List the messages parked in {{prefix}}redeliver.delay.unroutable: \
 delayed copies that no queue could take (their destination queue was deleted or unbound from the \
@@ -543,7 +543,7 @@ others go back in their order.\n\n--json prints {{\"queue\", \"purged\", \"kept\
 }
 
 #[derive(Args, Debug, Clone)]
-pub struct UnroutableListArgs {
+pub(crate) struct UnroutableListArgs {
     #[command(flatten)]
     pub common: UnroutableArgs,
     /// Show at most N messages from the head of the queue
@@ -555,7 +555,7 @@ pub struct UnroutableListArgs {
 }
 
 #[derive(Args, Debug, Clone)]
-pub struct UnroutablePeekArgs {
+pub(crate) struct UnroutablePeekArgs {
     #[command(flatten)]
     pub common: UnroutableArgs,
     /// message_id of the message to print
@@ -567,7 +567,7 @@ pub struct UnroutablePeekArgs {
 }
 
 #[derive(Args, Debug, Clone)]
-pub struct UnroutableReplayArgs {
+pub(crate) struct UnroutableReplayArgs {
     #[command(flatten)]
     pub common: UnroutableArgs,
     /// Move at most N messages
@@ -588,7 +588,7 @@ pub struct UnroutableReplayArgs {
 }
 
 #[derive(Args, Debug, Clone)]
-pub struct UnroutablePurgeArgs {
+pub(crate) struct UnroutablePurgeArgs {
     #[command(flatten)]
     pub common: UnroutableArgs,
     /// Confirm: the messages are deleted for good
@@ -600,7 +600,7 @@ pub struct UnroutablePurgeArgs {
 }
 
 #[derive(Subcommand, Debug)]
-pub enum DelayCmd {
+pub(crate) enum DelayCmd {
     /// Send probes through the delay levels and print observed vs intended delay
     #[command(
         long_about = format!("Operator self-test of the delay infrastructure: declares a temporary \
@@ -617,7 +617,7 @@ also when the exit code is 1. {JSON_OUTPUT}"
 }
 
 #[derive(Args, Debug, Clone)]
-pub struct ProbeArgs {
+pub(crate) struct ProbeArgs {
     /// Comma-separated delays to probe
     #[arg(long, value_delimiter = ',', default_value = "100ms,1s,5s", value_parser = parse_duration, value_name = "LIST")]
     pub delays: Vec<Duration>,

@@ -5,16 +5,16 @@ use std::time::Duration;
 
 use anyhow::Context as _;
 use lapin::{Connection, ConnectionProperties};
-use redeliver_amqp::tls::{self, TlsConfig};
 use redeliver_amqp::url::{self, UrlError};
+use redeliver_amqp::TlsConfig;
 
-pub use redeliver_amqp::url::BrokerUrl;
+pub(crate) use redeliver_amqp::url::BrokerUrl;
 
 use crate::cli::{Cli, DEFAULT_URL};
 use crate::errors::{Unreachable, UsageError};
 
 /// The broker URL the arguments name. Errors never contain the password.
-pub fn broker_url(cli: &Cli) -> Result<BrokerUrl, UsageError> {
+pub(crate) fn broker_url(cli: &Cli) -> Result<BrokerUrl, UsageError> {
     let usage = |e: UrlError| UsageError(format!("--url / AMQP_URL: {e}"));
     let mut raw = match &cli.url_file {
         Some(path) => url::read_secret_file("the broker URL", path).map_err(usage)?,
@@ -28,7 +28,7 @@ pub fn broker_url(cli: &Cli) -> Result<BrokerUrl, UsageError> {
 }
 
 /// The TLS settings the arguments name.
-pub fn tls_config(cli: &Cli) -> TlsConfig {
+pub(crate) fn tls_config(cli: &Cli) -> TlsConfig {
     let mut t = TlsConfig::new();
     if let Some(ca) = &cli.tls_ca_file {
         t = t.ca_file(ca);
@@ -41,13 +41,13 @@ pub fn tls_config(cli: &Cli) -> TlsConfig {
 
 /// Connects, bounded by `timeout` (a black-holed host would otherwise hang for minutes).
 /// Errors carry the redacted URL; `errors::explain` turns the cause into a hint.
-pub async fn connect(
+pub(crate) async fn connect(
     url: &BrokerUrl,
     tls: &TlsConfig,
     timeout: Duration,
 ) -> anyhow::Result<Connection> {
     let props = ConnectionProperties::default().with_connection_name("redeliver-cli".into());
-    let attempt = tls::connect_url(url, props, tls);
+    let attempt = redeliver_amqp::connect_url(url, props, tls);
     match tokio::time::timeout(timeout, attempt).await {
         Ok(res) => {
             res.with_context(|| format!("cannot connect to the broker at {}", url.redacted()))

@@ -11,8 +11,8 @@ use std::time::SystemTime;
 use anyhow::Context as _;
 use lapin::options::{BasicAckOptions, QueuePurgeOptions};
 use lapin::Connection;
-use redeliver_amqp::delay::DelayConfig;
-use redeliver_amqp::publisher::{PublishError, Publisher};
+use redeliver_amqp::DelayConfig;
+use redeliver_amqp::{PublishError, Publisher};
 use serde::Serialize;
 
 use crate::browse::{self, Reader, IDLE, MAX_PREFETCH};
@@ -22,7 +22,7 @@ use crate::select::Filter;
 
 /// Which queue a command reads, and what its messages are.
 #[derive(Clone, Debug)]
-pub enum Source {
+pub(crate) enum Source {
     /// `Q.dlq`: messages go back to `home` (Q), with their retry state reset.
     Dlq { dlq: String, home: String },
     /// `{prefix}redeliver.delay.unroutable`: messages go to the queue named in their routing
@@ -35,14 +35,14 @@ pub enum Source {
 }
 
 impl Source {
-    pub fn queue(&self) -> &str {
+    pub(crate) fn queue(&self) -> &str {
         match self {
             Source::Dlq { dlq, .. } => dlq,
             Source::Unroutable { queue, .. } => queue,
         }
     }
 
-    pub fn summarize(&self, position: usize, d: &lapin::message::Delivery) -> Summary {
+    pub(crate) fn summarize(&self, position: usize, d: &lapin::message::Delivery) -> Summary {
         match self {
             Source::Dlq { home, .. } => message::summarize(position, d, Some(home), None),
             Source::Unroutable { levels, .. } => {
@@ -52,7 +52,7 @@ impl Source {
     }
 
     /// False for messages excluded by `--queue` on the parking queue.
-    pub fn wanted(&self, s: &Summary) -> bool {
+    pub(crate) fn wanted(&self, s: &Summary) -> bool {
         match self {
             Source::Unroutable { only: Some(q), .. } => s.destination.as_deref() == Some(q),
             _ => true,
@@ -73,7 +73,12 @@ impl Source {
 }
 
 /// `list`: prints a table (or JSON array) of up to `limit` messages from the head.
-pub async fn list(conn: &Connection, src: &Source, limit: u32, json: bool) -> anyhow::Result<()> {
+pub(crate) async fn list(
+    conn: &Connection,
+    src: &Source,
+    limit: u32,
+    json: bool,
+) -> anyhow::Result<()> {
     let queue = src.queue();
     let (scanned, deliveries) = browse::snapshot(conn, queue, limit).await?;
     let rows: Vec<Summary> = deliveries
@@ -107,7 +112,7 @@ pub async fn list(conn: &Connection, src: &Source, limit: u32, json: bool) -> an
 }
 
 /// `peek`: prints the first message with `message_id` in full.
-pub async fn peek(
+pub(crate) async fn peek(
     conn: &Connection,
     src: &Source,
     message_id: &str,
@@ -143,7 +148,7 @@ pub async fn peek(
 
 /// What `replay` should move.
 #[derive(Clone, Debug, Default)]
-pub struct Selection {
+pub(crate) struct Selection {
     /// At most this many selected messages move.
     pub limit: Option<u64>,
     pub filter: Filter,
@@ -229,7 +234,7 @@ struct Run<'a> {
 /// each selected one to its destination through the default exchange and waits for the
 /// broker's confirm, then acknowledges the source copy. Unselected messages are never
 /// acknowledged and go back in order when the channel closes.
-pub async fn replay(
+pub(crate) async fn replay(
     conn: &Connection,
     src: &Source,
     sel: &Selection,
@@ -522,7 +527,7 @@ async fn move_one(
 
 /// What a purge did. The field names are the keys of `purge --json`.
 #[derive(Debug, Default, Serialize)]
-pub struct PurgeReport {
+pub(crate) struct PurgeReport {
     queue: String,
     purged: u64,
     kept: u64,
@@ -566,7 +571,7 @@ impl PurgeReport {
 /// A selective purge (`dlq purge` with criteria, `unroutable purge --queue Q`): removes only the
 /// messages that `src` wants and `filter` matches; every other one goes back to the queue in
 /// its place when the reader closes.
-pub async fn purge_matching(
+pub(crate) async fn purge_matching(
     conn: &Connection,
     src: &Source,
     filter: &Filter,
@@ -634,7 +639,7 @@ pub async fn purge_matching(
 }
 
 /// `purge`: deletes every message of `queue`, printing how many.
-pub async fn purge(conn: &Connection, queue: &str, json: bool) -> anyhow::Result<()> {
+pub(crate) async fn purge(conn: &Connection, queue: &str, json: bool) -> anyhow::Result<()> {
     browse::require_queue(conn, queue).await?;
     let ch = conn
         .create_channel()

@@ -6,18 +6,18 @@
 use std::fmt;
 
 use lapin::ErrorKind;
-use redeliver_amqp::topology::TopologyError;
+use redeliver_amqp::TopologyError;
 
 use redeliver_amqp::url::BrokerUrl;
 
 /// Exit code of a usage error (clap uses the same).
-pub const EXIT_USAGE: u8 = 2;
+pub(crate) const EXIT_USAGE: u8 = 2;
 /// Exit code of every other error.
-pub const EXIT_ERROR: u8 = 1;
+pub(crate) const EXIT_ERROR: u8 = 1;
 
 /// The command line is wrong or incomplete (exit code 2).
 #[derive(Debug)]
-pub struct UsageError(pub String);
+pub(crate) struct UsageError(pub String);
 
 impl fmt::Display for UsageError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -29,7 +29,7 @@ impl std::error::Error for UsageError {}
 /// The broker could not be reached at all (used where lapin has no error of its own, e.g. a
 /// connect timeout).
 #[derive(Debug)]
-pub struct Unreachable(pub String);
+pub(crate) struct Unreachable(pub String);
 
 impl fmt::Display for Unreachable {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -40,7 +40,7 @@ impl std::error::Error for Unreachable {}
 
 /// A queue the command needs does not exist.
 #[derive(Debug)]
-pub struct QueueMissing {
+pub(crate) struct QueueMissing {
     pub queue: String,
 }
 
@@ -53,14 +53,14 @@ impl std::error::Error for QueueMissing {}
 
 /// What the hints need to know about the invocation.
 #[derive(Clone, Debug, Default)]
-pub struct HintContext {
+pub(crate) struct HintContext {
     /// The `redeliver topology declare ...` line that creates the missing objects, when the
     /// command is about one consumer queue.
     pub declare_command: Option<String>,
 }
 
 /// Exit code for an error returned by a command.
-pub fn exit_code(err: &anyhow::Error) -> u8 {
+pub(crate) fn exit_code(err: &anyhow::Error) -> u8 {
     if err.chain().any(|c| c.is::<UsageError>()) {
         EXIT_USAGE
     } else {
@@ -70,7 +70,7 @@ pub fn exit_code(err: &anyhow::Error) -> u8 {
 
 /// The full text printed on stderr: `error: ...` and zero or more `hint: ...` lines, scrubbed of
 /// the password.
-pub fn render(err: &anyhow::Error, url: Option<&BrokerUrl>, ctx: &HintContext) -> String {
+pub(crate) fn render(err: &anyhow::Error, url: Option<&BrokerUrl>, ctx: &HintContext) -> String {
     let mut out = format!("error: {}\n", chain_text(err));
     for hint in hints(err, url, ctx) {
         out.push_str("hint: ");
@@ -193,6 +193,7 @@ fn topology_hint(t: &TopologyError, declare: &str, url: Option<&BrokerUrl>) -> O
                 .to_owned(),
         ),
         TopologyError::Amqp(l) => lapin_hint(l, declare, url),
+        _ => None,
     }
 }
 
@@ -270,8 +271,8 @@ fn not_found_object(msg: &str) -> Option<String> {
 
 /// "PRECONDITION_FAILED - inequivalent arg 'x-dead-letter-exchange' for queue 'q' in vhost '/':
 /// ..." -> (Some("queue 'q'"), Some("x-dead-letter-exchange")). The broker's wording is stable
-/// across 3.x (DESIGN.md quotes 3.10.8).
-pub fn parse_inequivalent(msg: &str) -> (Option<String>, Option<String>) {
+/// across 3.x (quoted from 3.10.8).
+pub(crate) fn parse_inequivalent(msg: &str) -> (Option<String>, Option<String>) {
     let Some(rest) = msg.split("inequivalent arg '").nth(1) else {
         return (None, None);
     };

@@ -3,6 +3,9 @@
 //! Kept thin: argument parsing is in `cli`, each command in its own module, error texts and
 //! exit codes in `errors`.
 
+#![warn(missing_debug_implementations, unreachable_pub)]
+#![forbid(unsafe_code)]
+
 mod app;
 mod browse;
 mod cli;

@@ -17,11 +17,11 @@ const BROKER_HEADER_PREFIXES: &[&str] =
     &[headers::X_FIRST_DEATH_PREFIX, headers::X_LAST_DEATH_PREFIX];
 
 /// Length of the body preview in `list` tables and JSON.
-pub const PREVIEW_CHARS: usize = 60;
+pub(crate) const PREVIEW_CHARS: usize = 60;
 
 /// One x-death entry, as shown to operators.
 #[derive(Clone, Debug, Serialize)]
-pub struct DeathView {
+pub(crate) struct DeathView {
     pub queue: String,
     pub reason: String,
     pub count: u64,
@@ -46,7 +46,7 @@ impl From<&XDeath> for DeathView {
 /// The summary row of one message (`dlq list`, `unroutable list`). Field names are the JSON
 /// keys of `--json`, a stable interface for scripts.
 #[derive(Clone, Debug, Serialize)]
-pub struct Summary {
+pub(crate) struct Summary {
     /// 1-based position from the head of the queue when it was read.
     pub position: usize,
     pub message_id: Option<String>,
@@ -96,7 +96,7 @@ pub struct Summary {
 
 /// Builds the summary of `d`, read at `position`. `source_queue` picks the relevant x-death
 /// entry; `levels` (unroutable only) lets the destination be read from the routing key.
-pub fn summarize(
+pub(crate) fn summarize(
     position: usize,
     d: &Delivery,
     source_queue: Option<&str>,
@@ -164,7 +164,7 @@ fn triage_reason(annotation: Option<&DeadLetterInfo>, relevant: Option<&XDeath>)
 
 impl Summary {
     /// [`Summary::dead_lettered_at`] as a time; `None` when absent or not RFC 3339.
-    pub fn dead_lettered_time(&self) -> Option<SystemTime> {
+    pub(crate) fn dead_lettered_time(&self) -> Option<SystemTime> {
         self.dead_lettered_at.as_deref().and_then(parse_rfc3339)
     }
 }
@@ -172,7 +172,7 @@ impl Summary {
 /// Parses an RFC 3339 time: `2024-05-01T12:00:00Z`, with or without fractional seconds, with
 /// `Z` or a numeric offset (`+02:00`). The worker writes UTC with `Z`, but the header can come
 /// from any publisher, so an offset is honoured rather than misread; anything else is `None`.
-pub fn parse_rfc3339(s: &str) -> Option<SystemTime> {
+pub(crate) fn parse_rfc3339(s: &str) -> Option<SystemTime> {
     let s = s.trim();
     if let Some(utc) = s.strip_suffix(['Z', 'z']) {
         return humantime::parse_rfc3339_weak(utc).ok();
@@ -218,19 +218,19 @@ fn as_i64(v: &AMQPValue) -> Option<i64> {
 }
 
 /// Seconds since the epoch -> "2024-05-01T12:00:00Z".
-pub fn unix_to_rfc3339(secs: u64) -> String {
+pub(crate) fn unix_to_rfc3339(secs: u64) -> String {
     let t = UNIX_EPOCH + Duration::from_secs(secs);
     humantime::format_rfc3339_seconds(t).to_string()
 }
 
 /// Now, for "read at" lines.
-pub fn now_rfc3339() -> String {
+pub(crate) fn now_rfc3339() -> String {
     humantime::format_rfc3339_seconds(SystemTime::now()).to_string()
 }
 
 /// A one-line preview: JSON re-serialized compactly, UTF-8 text with control characters
 /// escaped, binary as a byte count and hex head. Truncated on a char boundary with "…".
-pub fn preview(body: &[u8], max_chars: usize) -> String {
+pub(crate) fn preview(body: &[u8], max_chars: usize) -> String {
     let text = if let Ok(v) = serde_json::from_slice::<serde_json::Value>(body) {
         v.to_string()
     } else if let Ok(s) = std::str::from_utf8(body) {
@@ -243,7 +243,7 @@ pub fn preview(body: &[u8], max_chars: usize) -> String {
 }
 
 /// Cuts `s` to at most `max` characters, marking the cut with "…".
-pub fn truncate_chars(s: &str, max: usize) -> String {
+pub(crate) fn truncate_chars(s: &str, max: usize) -> String {
     if s.chars().count() <= max {
         return s.to_owned();
     }
@@ -254,7 +254,7 @@ pub fn truncate_chars(s: &str, max: usize) -> String {
 
 /// The parking queue receives delayed copies with routing key `b(L-1). ... .b0.QUEUE`: the
 /// destination is what follows the L bit words. None when the key does not have that shape.
-pub fn destination_from_routing_key(key: &str, levels: u8) -> Option<String> {
+pub(crate) fn destination_from_routing_key(key: &str, levels: u8) -> Option<String> {
     let mut words = key.split('.');
     for _ in 0..levels {
         match words.next() {
@@ -278,7 +278,7 @@ pub fn destination_from_routing_key(key: &str, levels: u8) -> Option<String> {
 /// - with `reset_retry_state`, every `x-redeliver-*` header, so the attempt count starts again;
 /// - `user_id`: the broker rejects a publish whose user_id is not the connection's user (a 406
 ///   that would close the publishing channel), and the copy is now published by the operator.
-pub fn replay_properties(p: &BasicProperties, reset_retry_state: bool) -> BasicProperties {
+pub(crate) fn replay_properties(p: &BasicProperties, reset_retry_state: bool) -> BasicProperties {
     let mut out = BasicProperties::default();
     if let Some(v) = p.content_type() {
         out = out.with_content_type(v.clone());
@@ -323,7 +323,7 @@ pub fn replay_properties(p: &BasicProperties, reset_retry_state: bool) -> BasicP
 }
 
 /// The header table for a replayed copy (see [`replay_properties`]).
-pub fn replay_headers(h: &FieldTable, reset_retry_state: bool) -> FieldTable {
+pub(crate) fn replay_headers(h: &FieldTable, reset_retry_state: bool) -> FieldTable {
     let mut out = FieldTable::default();
     for (k, v) in h.inner() {
         let key = k.as_str();

@@ -11,10 +11,10 @@ use serde_json::{json, Map, Value};
 use crate::message::{truncate_chars, unix_to_rfc3339, Summary};
 
 /// Replays of more than this many messages (about a screenful of output) get a progress bar.
-pub const PROGRESS_THRESHOLD: u64 = 20;
+pub(crate) const PROGRESS_THRESHOLD: u64 = 20;
 
 /// A left-aligned text table; each column has a maximum width, longer cells are cut with "…".
-pub struct Table {
+pub(crate) struct Table {
     headers: Vec<&'static str>,
     max: Vec<usize>,
     rows: Vec<Vec<String>>,
@@ -22,7 +22,7 @@ pub struct Table {
 
 impl Table {
     /// `columns`: (header, maximum width).
-    pub fn new(columns: &[(&'static str, usize)]) -> Self {
+    pub(crate) fn new(columns: &[(&'static str, usize)]) -> Self {
         Self {
             headers: columns.iter().map(|c| c.0).collect(),
             max: columns.iter().map(|c| c.1).collect(),
@@ -30,11 +30,11 @@ impl Table {
         }
     }
 
-    pub fn row(&mut self, cells: Vec<String>) {
+    pub(crate) fn row(&mut self, cells: Vec<String>) {
         self.rows.push(cells);
     }
 
-    pub fn render(&self) -> String {
+    pub(crate) fn render(&self) -> String {
         let rows: Vec<Vec<String>> = self
             .rows
             .iter()
@@ -85,7 +85,7 @@ fn or_dash(v: &Option<String>) -> String {
 
 /// The `list` table. A DLQ shows the triage view (when and why each message died, its final
 /// error); the parking queue (`parked`) shows the retry in progress and its DESTINATION.
-pub fn summary_table(rows: &[Summary], parked: bool) -> String {
+pub(crate) fn summary_table(rows: &[Summary], parked: bool) -> String {
     if parked {
         parked_table(rows)
     } else {
@@ -154,10 +154,10 @@ fn parked_table(rows: &[Summary]) -> String {
 }
 
 /// What a group without a value (no reason, no final error) is called in tables.
-pub const NONE_LABEL: &str = "(none)";
+pub(crate) const NONE_LABEL: &str = "(none)";
 
 /// A COUNT / `header` table of groups, most frequent first (the caller's order).
-pub fn group_table(header: &'static str, groups: &[(Option<String>, u64)]) -> String {
+pub(crate) fn group_table(header: &'static str, groups: &[(Option<String>, u64)]) -> String {
     let mut t = Table::new(&[("COUNT", 10), (header, 120)]);
     for (key, n) in groups {
         t.row(vec![
@@ -170,7 +170,7 @@ pub fn group_table(header: &'static str, groups: &[(Option<String>, u64)]) -> St
 }
 
 /// Newlines and tabs in error messages would break table rows.
-pub fn one_line(s: &str) -> String {
+pub(crate) fn one_line(s: &str) -> String {
     s.chars()
         .map(|c| if c.is_control() { ' ' } else { c })
         .collect()
@@ -178,7 +178,7 @@ pub fn one_line(s: &str) -> String {
 
 /// AMQP field value -> JSON. Byte strings that are UTF-8 become strings; other bytes become
 /// {"bytes_hex": "..."} so nothing is silently mangled.
-pub fn value_json(v: &AMQPValue) -> Value {
+pub(crate) fn value_json(v: &AMQPValue) -> Value {
     match v {
         AMQPValue::Boolean(b) => json!(b),
         AMQPValue::ShortShortInt(n) => json!(n),
@@ -213,7 +213,7 @@ fn hex(b: &[u8]) -> String {
 }
 
 /// Header table -> JSON object (keys sorted, as AMQP tables are).
-pub fn table_json(t: &FieldTable) -> Value {
+pub(crate) fn table_json(t: &FieldTable) -> Value {
     let mut m = Map::new();
     for (k, v) in t.inner() {
         m.insert(k.to_string(), value_json(v));
@@ -222,7 +222,7 @@ pub fn table_json(t: &FieldTable) -> Value {
 }
 
 /// Every property that is set, as (name, JSON value), in AMQP order; headers excluded.
-pub fn properties_list(p: &BasicProperties) -> Vec<(&'static str, Value)> {
+pub(crate) fn properties_list(p: &BasicProperties) -> Vec<(&'static str, Value)> {
     let mut out = Vec::new();
     let mut s = |name: &'static str, v: &Option<lapin::types::ShortString>| {
         if let Some(v) = v {
@@ -252,13 +252,13 @@ pub fn properties_list(p: &BasicProperties) -> Vec<(&'static str, Value)> {
 }
 
 /// How a body is shown in full.
-pub enum BodyView {
+pub(crate) enum BodyView {
     Json(Value),
     Text(String),
     Binary(Vec<u8>),
 }
 
-pub fn body_view(body: &[u8]) -> BodyView {
+pub(crate) fn body_view(body: &[u8]) -> BodyView {
     if let Ok(v) = serde_json::from_slice::<Value>(body) {
         BodyView::Json(v)
     } else if let Ok(s) = std::str::from_utf8(body) {
@@ -269,7 +269,7 @@ pub fn body_view(body: &[u8]) -> BodyView {
 }
 
 /// One message in full, for `peek --json`.
-pub fn message_json(position: usize, queue: &str, d: &Delivery) -> Value {
+pub(crate) fn message_json(position: usize, queue: &str, d: &Delivery) -> Value {
     let mut props = Map::new();
     for (k, v) in properties_list(&d.properties) {
         props.insert(k.to_owned(), v);
@@ -293,7 +293,7 @@ pub fn message_json(position: usize, queue: &str, d: &Delivery) -> Value {
 }
 
 /// One message in full, for `peek`.
-pub fn message_text(position: usize, queue: &str, d: &Delivery) -> String {
+pub(crate) fn message_text(position: usize, queue: &str, d: &Delivery) -> String {
     let mut out = format!("message at position {position} of '{queue}'\n");
     out.push_str(&format!(
         "  exchange:     {}\n",
@@ -393,7 +393,7 @@ fn yaml_like(v: &Value, depth: usize, out: &mut String) {
 }
 
 /// Classic 16-bytes-a-line hex dump with an ASCII column.
-pub fn hexdump(b: &[u8]) -> String {
+pub(crate) fn hexdump(b: &[u8]) -> String {
     let mut out = String::new();
     for (i, chunk) in b.chunks(16).enumerate() {
         let hexes: Vec<String> = chunk.iter().map(|x| format!("{x:02x}")).collect();
@@ -418,7 +418,7 @@ pub fn hexdump(b: &[u8]) -> String {
 
 /// A progress bar on stderr for `total` items, hidden unless there are more than a screenful
 /// and stdout is a terminal (scripts capturing the output get no control characters).
-pub fn progress(total: u64, what: &str) -> ProgressBar {
+pub(crate) fn progress(total: u64, what: &str) -> ProgressBar {
     let visible = total > PROGRESS_THRESHOLD
         && std::io::stdout().is_terminal()
         && std::io::stderr().is_terminal();
@@ -437,7 +437,7 @@ pub fn progress(total: u64, what: &str) -> ProgressBar {
 
 /// A bar for `total` items that are slow one by one (probes waiting for their delay): shown on
 /// a terminal whatever the count, with the elapsed time ticking, hidden otherwise.
-pub fn waiting(total: u64, what: &str) -> ProgressBar {
+pub(crate) fn waiting(total: u64, what: &str) -> ProgressBar {
     let target = if std::io::stdout().is_terminal() && std::io::stderr().is_terminal() {
         ProgressDrawTarget::stderr()
     } else {
@@ -456,7 +456,7 @@ pub fn waiting(total: u64, what: &str) -> ProgressBar {
 }
 
 /// Prints `value` as the single pretty JSON document of a `--json` run.
-pub fn print_json(value: &impl serde::Serialize, what: &str) -> anyhow::Result<()> {
+pub(crate) fn print_json(value: &impl serde::Serialize, what: &str) -> anyhow::Result<()> {
     use anyhow::Context as _;
     let text = serde_json::to_string_pretty(value)
         .with_context(|| format!("cannot encode {what} as JSON"))?;

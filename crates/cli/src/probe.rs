@@ -15,15 +15,15 @@ use lapin::options::{
 };
 use lapin::types::FieldTable;
 use lapin::{BasicProperties, Connection};
-use redeliver_amqp::delay::DelayConfig;
-use redeliver_amqp::publisher::Publisher;
+use redeliver_amqp::DelayConfig;
+use redeliver_amqp::Publisher;
 use serde::Serialize;
 
 use crate::output::{self, Table};
 
 /// One probe's result.
 #[derive(Debug)]
-pub struct ProbeResult {
+pub(crate) struct ProbeResult {
     pub intended: Duration,
     /// What the levels can represent: the delay rounded up to the granularity.
     pub effective: Option<Duration>,
@@ -80,7 +80,7 @@ fn print_json(results: &[ProbeResult], lost: usize, failed: usize) -> anyhow::Re
 
 /// Runs the probe and prints its table (or JSON). Fails when a probe was lost or could not be
 /// sent, after printing the results.
-pub async fn run(
+pub(crate) async fn run(
     conn: &Connection,
     cfg: &DelayConfig,
     prefix: &str,
@@ -247,7 +247,7 @@ fn ms(d: Duration) -> String {
 }
 
 /// The result table. Error = observed - effective (publish and delivery latency included).
-pub fn table(results: &[ProbeResult]) -> String {
+pub(crate) fn table(results: &[ProbeResult]) -> String {
     let mut t = Table::new(&[
         ("INTENDED", 12),
         ("ROUTED", 12),

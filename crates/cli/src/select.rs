@@ -8,7 +8,7 @@ use crate::message::Summary;
 
 /// The selection criteria. The default selects everything.
 #[derive(Clone, Debug, Default)]
-pub struct Filter {
+pub(crate) struct Filter {
     /// Only these message_ids (any of them); empty = no restriction.
     pub message_ids: Vec<String>,
     /// Only messages whose [`Summary::reason`] is exactly this.
@@ -21,7 +21,7 @@ pub struct Filter {
 
 impl Filter {
     /// True when no criterion is given: everything is selected.
-    pub fn is_empty(&self) -> bool {
+    pub(crate) fn is_empty(&self) -> bool {
         self.message_ids.is_empty()
             && self.reason.is_none()
             && self.error_contains.is_none()
@@ -29,7 +29,7 @@ impl Filter {
     }
 
     /// True when `id` is one of the requested message_ids (false when none were requested).
-    pub fn names_id(&self, id: Option<&str>) -> bool {
+    pub(crate) fn names_id(&self, id: Option<&str>) -> bool {
         id.is_some_and(|id| self.message_ids.iter().any(|m| m == id))
     }
 
@@ -37,7 +37,7 @@ impl Filter {
     /// however long it takes. A message whose dead-lettering time is unknown (no annotation, no
     /// x-death time, or a header that is not RFC 3339) is never "older than": a purge must not
     /// delete what it cannot prove old.
-    pub fn matches(&self, s: &Summary, now: SystemTime) -> bool {
+    pub(crate) fn matches(&self, s: &Summary, now: SystemTime) -> bool {
         let id_ok = self.message_ids.is_empty() || self.names_id(s.message_id.as_deref());
         let reason_ok = self
             .reason
@@ -57,7 +57,7 @@ impl Filter {
     }
 
     /// The criteria as command-line options, for reports ("matching --reason permanent").
-    pub fn describe(&self) -> String {
+    pub(crate) fn describe(&self) -> String {
         let mut parts = Vec::new();
         if let Some(r) = &self.reason {
             parts.push(format!("--reason {r}"));
@@ -75,7 +75,7 @@ impl Filter {
     }
 
     /// Requested message_ids that are not in `seen`, in the order they were given.
-    pub fn missing_ids(&self, seen: &[String]) -> Vec<String> {
+    pub(crate) fn missing_ids(&self, seen: &[String]) -> Vec<String> {
         self.message_ids
             .iter()
             .filter(|id| !seen.contains(id))

@@ -4,8 +4,8 @@ use anyhow::Context as _;
 use lapin::options::ExchangeDeclareOptions;
 use lapin::types::FieldTable;
 use lapin::{Connection, ExchangeKind};
-use redeliver_amqp::delay::DelayConfig;
-use redeliver_amqp::topology::{QueueType, Topology};
+use redeliver_amqp::DelayConfig;
+use redeliver_amqp::{QueueType, Topology};
 use serde::Serialize;
 use serde_json::Value;
 
@@ -14,7 +14,7 @@ use crate::cli::{DelayArgs, TopologyArgs};
 use crate::output::{self, table_json, Table};
 
 /// The delay configuration the flags describe.
-pub fn delay_config(prefix: &str, d: &DelayArgs) -> DelayConfig {
+pub(crate) fn delay_config(prefix: &str, d: &DelayArgs) -> DelayConfig {
     DelayConfig::new()
         .prefix(prefix)
         .levels(d.levels)
@@ -28,7 +28,7 @@ pub fn delay_config(prefix: &str, d: &DelayArgs) -> DelayConfig {
 
 /// The topology the flags describe. The delay configuration is always given explicitly so its
 /// queue type follows --delay-classic, not --classic.
-pub fn topology(a: &TopologyArgs) -> Topology {
+pub(crate) fn topology(a: &TopologyArgs) -> Topology {
     let mut t = Topology::new(a.queue.clone())
         .prefix(a.prefix.clone())
         .queue_type(if a.classic {
@@ -121,7 +121,7 @@ impl Names {
             queue_type: if a.classic { "classic" } else { "quorum" },
             dlx: t.dlx_name(),
             dlq: t.dlq_name(),
-            dlq_type: t.get_dlq_queue_type().as_str(),
+            dlq_type: t.configured_dlq_queue_type().as_str(),
             delay: DelayJson::new(a),
         }
     }
@@ -139,7 +139,7 @@ struct Deleted {
     delay: Option<DelayJson>,
 }
 
-pub async fn declare(conn: &Connection, a: &TopologyArgs, json: bool) -> anyhow::Result<()> {
+pub(crate) async fn declare(conn: &Connection, a: &TopologyArgs, json: bool) -> anyhow::Result<()> {
     let t = topology(a);
     t.declare(conn)
         .await
@@ -157,13 +157,13 @@ pub async fn declare(conn: &Connection, a: &TopologyArgs, json: bool) -> anyhow:
         if a.classic { "classic" } else { "quorum" },
         t.dlx_name(),
         t.dlq_name(),
-        t.get_dlq_queue_type().as_str(),
+        t.configured_dlq_queue_type().as_str(),
         describe_delay(a)
     );
     Ok(())
 }
 
-pub async fn verify(conn: &Connection, a: &TopologyArgs, json: bool) -> anyhow::Result<()> {
+pub(crate) async fn verify(conn: &Connection, a: &TopologyArgs, json: bool) -> anyhow::Result<()> {
     let t = topology(a);
     t.verify(conn)
         .await
@@ -185,7 +185,7 @@ pub async fn verify(conn: &Connection, a: &TopologyArgs, json: bool) -> anyhow::
     Ok(())
 }
 
-pub async fn delete(
+pub(crate) async fn delete(
     conn: &Connection,
     a: &TopologyArgs,
     include_delay: bool,
@@ -226,7 +226,7 @@ pub async fn delete(
 
 /// One row of `topology show`.
 #[derive(Debug, Serialize)]
-pub struct ObjectRow {
+pub(crate) struct ObjectRow {
     pub kind: &'static str,
     pub name: String,
     pub exists: bool,
@@ -308,7 +308,7 @@ async fn exchange_row(
 }
 
 /// Every object, in the order a message meets them.
-pub async fn rows(conn: &Connection, a: &TopologyArgs) -> anyhow::Result<Vec<ObjectRow>> {
+pub(crate) async fn rows(conn: &Connection, a: &TopologyArgs) -> anyhow::Result<Vec<ObjectRow>> {
     let t = topology(a);
     let cfg = t.delay_config().clone();
     let mut rows = vec![
@@ -393,7 +393,7 @@ fn args_text(v: &Value) -> String {
     }
 }
 
-pub async fn show(conn: &Connection, a: &TopologyArgs, json: bool) -> anyhow::Result<()> {
+pub(crate) async fn show(conn: &Connection, a: &TopologyArgs, json: bool) -> anyhow::Result<()> {
     let rows = rows(conn, a).await?;
     let t = topology(a);
     let cfg = t.delay_config();

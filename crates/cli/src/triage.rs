@@ -18,16 +18,16 @@ use crate::output;
 
 /// Counts per distinct key (None = messages without one).
 #[derive(Debug, Default)]
-pub struct Tally(BTreeMap<Option<String>, u64>);
+pub(crate) struct Tally(BTreeMap<Option<String>, u64>);
 
 impl Tally {
-    pub fn add(&mut self, key: Option<String>) {
+    pub(crate) fn add(&mut self, key: Option<String>) {
         *self.0.entry(key).or_default() += 1;
     }
 
     /// Most frequent first; ties by key so the output is stable; "none" after every named key
     /// of the same count (it is the least informative row).
-    pub fn sorted(&self) -> Vec<(Option<String>, u64)> {
+    pub(crate) fn sorted(&self) -> Vec<(Option<String>, u64)> {
         let mut v: Vec<(Option<String>, u64)> =
             self.0.iter().map(|(k, n)| (k.clone(), *n)).collect();
         v.sort_by(|(ka, na), (kb, nb)| {
@@ -85,7 +85,7 @@ async fn scan_summaries(
 }
 
 /// `dlq list --group-by`: counts per distinct reason or final error, most frequent first.
-pub async fn group_by(
+pub(crate) async fn group_by(
     conn: &Connection,
     src: &Source,
     limit: u32,
@@ -120,7 +120,7 @@ pub async fn group_by(
 
 /// The figures of `dlq stats`; the field names are its `--json` keys.
 #[derive(Debug, Serialize)]
-pub struct Stats {
+pub(crate) struct Stats {
     pub queue: String,
     /// Ready messages when the command started.
     pub ready: u32,
@@ -137,7 +137,7 @@ pub struct Stats {
 }
 
 #[derive(Debug, Serialize)]
-pub struct ReasonCount {
+pub(crate) struct ReasonCount {
     pub reason: Option<String>,
     pub count: u64,
 }
@@ -190,7 +190,12 @@ impl StatsAcc {
 }
 
 /// `dlq stats`.
-pub async fn stats(conn: &Connection, src: &Source, limit: u32, json: bool) -> anyhow::Result<()> {
+pub(crate) async fn stats(
+    conn: &Connection,
+    src: &Source,
+    limit: u32,
+    json: bool,
+) -> anyhow::Result<()> {
     let mut acc = StatsAcc::default();
     let scanned = scan_summaries(conn, src, limit, |s| acc.add(&s)).await?;
     let stats = acc.finish(src.queue(), &scanned);

@@ -125,6 +125,8 @@
 //! ```
 
 #![deny(missing_docs)]
+#![warn(missing_debug_implementations, unreachable_pub)]
+#![forbid(unsafe_code)]
 
 mod backoff;
 mod budget;
@@ -134,10 +136,8 @@ mod jitter;
 mod policy;
 
 pub use backoff::Backoff;
-pub use budget::{BudgetConfig, RetryBudget};
+pub use budget::{BudgetConfig, BudgetExhausted, RetryBudget};
 pub use clock::{Clock, ManualClock, SystemClock};
 pub use error::{BoxError, Classifier, ErrorKind, HandlerError};
 pub use jitter::Jitter;
-pub use policy::{
-    BudgetExhausted, DeadLetterReason, Decision, RetryPolicy, DEFAULT_CAP, DEFAULT_MAX_RETRIES,
-};
+pub use policy::{DeadLetterReason, Decision, RetryPolicy, DEFAULT_CAP, DEFAULT_MAX_RETRIES};

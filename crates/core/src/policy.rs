@@ -8,8 +8,7 @@ use rand::rngs::StdRng;
 use rand::SeedableRng;
 
 use crate::backoff::Backoff;
-pub use crate::budget::BudgetExhausted;
-use crate::budget::RetryBudget;
+use crate::budget::{BudgetExhausted, RetryBudget};
 use crate::error::{Classifier, ErrorKind, HandlerError};
 use crate::jitter::Jitter;
 
@@ -232,12 +231,16 @@ impl RetryPolicy {
     }
 
     /// Replaces the backoff.
+    ///
+    /// Read it back with [`Self::backoff`].
     pub fn with_backoff(mut self, b: Backoff) -> Self {
         self.backoff = b;
         self
     }
 
     /// The jitter applied to backoff delays (not to `retry_after` delays).
+    ///
+    /// Read it back with [`Self::configured_jitter`].
     pub fn jitter(mut self, j: Jitter) -> Self {
         self.jitter = j;
         self
@@ -245,6 +248,8 @@ impl RetryPolicy {
 
     /// Retries allowed per message; the failure after the last one is dead-lettered. `u32::MAX`
     /// is effectively unbounded (Celery's `max_retries=None`).
+    ///
+    /// Read it back with [`Self::configured_max_retries`].
     pub fn max_retries(mut self, n: u32) -> Self {
         self.max_retries = n;
         self
@@ -253,6 +258,8 @@ impl RetryPolicy {
     /// Makes every backoff delay a whole multiple of `g`: the un-jittered delay is rounded down
     /// to a multiple, and jitter draws uniformly among whole multiples. Zero (the default)
     /// means nanoseconds. [`celery`](Self::celery) uses one second.
+    ///
+    /// Read it back with [`Self::configured_granularity`].
     pub fn granularity(mut self, g: Duration) -> Self {
         self.granularity = g;
         self
@@ -260,6 +267,8 @@ impl RetryPolicy {
 
     /// How unclassified errors (from `anyhow`) are classified; default
     /// [`Classifier::transient_by_default`].
+    ///
+    /// Read it back with [`Self::configured_classifier`].
     pub fn classifier(mut self, c: Classifier) -> Self {
         self.classifier = c;
         self
@@ -267,6 +276,8 @@ impl RetryPolicy {
 
     /// Limits retries with a shared budget (none by default). Call
     /// [`record_attempt`](Self::record_attempt) for every first attempt to fill it.
+    ///
+    /// Read it back with [`Self::configured_budget`].
     pub fn budget(mut self, b: RetryBudget) -> Self {
         self.budget = Some(b);
         self
@@ -286,27 +297,27 @@ impl RetryPolicy {
     }
 
     /// The jitter.
-    pub fn jitter_value(&self) -> Jitter {
+    pub fn configured_jitter(&self) -> Jitter {
         self.jitter
     }
 
     /// The maximum number of retries per message.
-    pub fn max_retries_value(&self) -> u32 {
+    pub fn configured_max_retries(&self) -> u32 {
         self.max_retries
     }
 
     /// The granularity of backoff delays (zero = nanoseconds).
-    pub fn granularity_value(&self) -> Duration {
+    pub fn configured_granularity(&self) -> Duration {
         self.granularity
     }
 
     /// The classifier.
-    pub fn classifier_ref(&self) -> &Classifier {
+    pub fn configured_classifier(&self) -> &Classifier {
         &self.classifier
     }
 
     /// The budget, if any.
-    pub fn budget_ref(&self) -> Option<&RetryBudget> {
+    pub fn configured_budget(&self) -> Option<&RetryBudget> {
         self.budget.as_ref()
     }
 
@@ -443,33 +454,39 @@ mod tests {
                 cap: secs(60)
             }
         );
-        assert_eq!(p.jitter_value(), Jitter::Full);
-        assert_eq!(p.max_retries_value(), 5);
-        assert!(p.budget_ref().is_none());
-        assert_eq!(p.classifier_ref().default_kind(), ErrorKind::Transient);
+        assert_eq!(p.configured_jitter(), Jitter::Full);
+        assert_eq!(p.configured_max_retries(), 5);
+        assert!(p.configured_budget().is_none());
+        assert_eq!(
+            p.configured_classifier().default_kind(),
+            ErrorKind::Transient
+        );
     }
 
     #[test]
     fn constructor_defaults() {
         let p = RetryPolicy::exponential(ms(100));
-        assert_eq!(p.jitter_value(), Jitter::Full);
-        assert_eq!(p.max_retries_value(), DEFAULT_MAX_RETRIES);
+        assert_eq!(p.configured_jitter(), Jitter::Full);
+        assert_eq!(p.configured_max_retries(), DEFAULT_MAX_RETRIES);
         assert_eq!(p.backoff().cap(), DEFAULT_CAP);
-        assert_eq!(RetryPolicy::constant(ms(1)).jitter_value(), Jitter::None);
+        assert_eq!(
+            RetryPolicy::constant(ms(1)).configured_jitter(),
+            Jitter::None
+        );
         assert_eq!(
             RetryPolicy::linear(ms(1), ms(2)).backoff().cap(),
             Duration::MAX
         );
         assert_eq!(
-            RetryPolicy::fixed([ms(1), ms(2), ms(3)]).max_retries_value(),
+            RetryPolicy::fixed([ms(1), ms(2), ms(3)]).configured_max_retries(),
             3
         );
-        assert_eq!(RetryPolicy::none().max_retries_value(), 0);
+        assert_eq!(RetryPolicy::none().configured_max_retries(), 0);
         assert_eq!(RetryPolicy::default().backoff().base(), ms(100));
         let c = RetryPolicy::celery();
-        assert_eq!(c.max_retries_value(), 3);
-        assert_eq!(c.jitter_value(), Jitter::Full);
-        assert_eq!(c.granularity_value(), secs(1));
+        assert_eq!(c.configured_max_retries(), 3);
+        assert_eq!(c.configured_jitter(), Jitter::Full);
+        assert_eq!(c.configured_granularity(), secs(1));
         assert_eq!(
             c.backoff(),
             &Backoff::Exponential {

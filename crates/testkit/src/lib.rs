@@ -54,9 +54,9 @@ pub async fn connect() -> Connection {
 ///
 /// When the broker cannot be reached, with instructions ([`START_BROKER`]), or announces no
 /// version.
-pub async fn broker() -> redeliver_amqp::server::ServerInfo {
+pub async fn broker() -> redeliver_amqp::ServerInfo {
     let url = amqp_url();
-    match redeliver_amqp::server::ServerInfo::probe(&url).await {
+    match redeliver_amqp::ServerInfo::probe(&url).await {
         Ok(info) if info.version().is_some() => info,
         Ok(info) => panic!(
             "the broker at {} announced no version: {info:?}",
@@ -67,7 +67,7 @@ pub async fn broker() -> redeliver_amqp::server::ServerInfo {
 }
 
 /// The test broker's version ([`broker`]).
-pub async fn broker_version() -> redeliver_amqp::server::BrokerVersion {
+pub async fn broker_version() -> redeliver_amqp::BrokerVersion {
     let info = broker().await;
     info.version()
         .unwrap_or_else(|| panic!("no version: {info:?}"))

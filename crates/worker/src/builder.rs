@@ -4,9 +4,9 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
-use redeliver_amqp::delay::DelayConfig;
-use redeliver_amqp::tls::TlsConfig;
-use redeliver_amqp::topology::Topology;
+use redeliver_amqp::DelayConfig;
+use redeliver_amqp::TlsConfig;
+use redeliver_amqp::Topology;
 use redeliver_amqp::url::BrokerUrl;
 use redeliver_core::{Backoff, HandlerError, Jitter, RetryPolicy};
 use tokio::sync::Semaphore;

@@ -604,7 +604,7 @@ mod tests {
         assert_eq!(s.handler_timeout(), Some(Duration::from_millis(1500)));
         assert!(s.verify_only());
         assert_eq!(s.connection_name(), Some("pod-1"));
-        assert_eq!(s.policy().max_retries_value(), 4);
+        assert_eq!(s.policy().configured_max_retries(), 4);
         assert_eq!(s.policy().delay_for(0, None), Duration::from_millis(200));
         assert_eq!(s.policy().delay_for(30, None), Duration::from_secs(30));
         assert_eq!(s.dead_letter_mode(), DeadLetterMode::Annotate);
@@ -734,7 +734,7 @@ mod tests {
             .unwrap()
             .settings()
             .clone();
-        assert_eq!(s.policy().max_retries_value(), 9);
+        assert_eq!(s.policy().configured_max_retries(), 9);
         assert_eq!(s.policy().delay_for(0, None), Duration::from_millis(50));
         assert_eq!(s.policy().delay_for(10, None), Duration::from_millis(400));
     }

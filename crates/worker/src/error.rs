@@ -1,8 +1,8 @@
 //! Why a worker stops.
 
-use redeliver_amqp::publisher::PublishError;
-use redeliver_amqp::tls::ConnectError;
-use redeliver_amqp::topology::TopologyError;
+use redeliver_amqp::PublishError;
+use redeliver_amqp::ConnectError;
+use redeliver_amqp::TopologyError;
 use redeliver_amqp::url::UrlError;
 
 /// Errors that stop a worker. Connection problems are not among them: the worker reconnects

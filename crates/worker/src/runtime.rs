@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use rand::rngs::StdRng;
 use rand::SeedableRng;
-use redeliver_amqp::topology::Topology;
+use redeliver_amqp::Topology;
 use tokio_util::sync::CancellationToken;
 use tracing::{error, info, warn};
 

@@ -10,8 +10,7 @@ use lapin::options::{
 };
 use lapin::types::FieldTable;
 use lapin::{Channel, Connection, ConnectionProperties, Consumer, Event};
-use redeliver_amqp::server::ServerInfo;
-use redeliver_amqp::tls;
+use redeliver_amqp::ServerInfo;
 use redeliver_amqp::url::BrokerUrl;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
@@ -66,7 +65,7 @@ impl Session {
         };
         let (server, connection) = tokio::join!(
             ServerInfo::probe_uri(url.uri(), tls),
-            tls::connect_url(url, props, &config.settings.tls)
+            redeliver_amqp::connect_url(url, props, &config.settings.tls)
         );
         let connection = Arc::new(connection?);
         let server = match server {

@@ -19,9 +19,9 @@ use lapin::options::BasicRejectOptions;
 use lapin::types::FieldTable;
 use lapin::Acker;
 use lapin::{BasicProperties, Connection};
-use redeliver_amqp::delay::DelayConfig;
+use redeliver_amqp::DelayConfig;
 use redeliver_amqp::headers::{self, RetryState};
-use redeliver_amqp::publisher::{PublishError, Publisher};
+use redeliver_amqp::{PublishError, Publisher};
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, error, info, warn, Span};
 

@@ -175,7 +175,7 @@ async fn levels_ready_now(
 ) -> u32 {
     let cfg = topo.delay_config();
     let mut total = 0;
-    for k in 0..cfg.get_levels() {
+    for k in 0..cfg.configured_levels() {
         total += ready_count(conn, &cfg.level_name(k)).await;
     }
     total

@@ -7,7 +7,7 @@ mod common;
 use std::time::Duration;
 
 use common::*;
-use redeliver_amqp::tls::{self, ConnectError};
+use redeliver_amqp::ConnectError;
 use redeliver_testkit::{amqps_url, tls_file};
 use redeliver_worker::lapin::ConnectionProperties;
 use redeliver_worker::{
@@ -161,7 +161,7 @@ async fn wrong_ca_and_wrong_host_name_are_refused_clearly() {
         ),
     ];
     for (what, url, tls_config, expected) in &cases {
-        match tls::connect(url, props(), tls_config).await {
+        match redeliver_amqp::connect(url, props(), tls_config).await {
             Err(e @ ConnectError::TlsHandshake { .. }) => {
                 let text = e.to_string();
                 assert!(text.contains(expected), "{what}: {text}");
@@ -214,7 +214,7 @@ async fn mutual_tls_with_and_without_a_client_certificate() {
         .sasl_external(true);
     let name = format!("rdw-mtls-{}", redeliver_testkit::unique_id(8));
     let props = ConnectionProperties::default().with_connection_name(name.as_str().into());
-    let conn = tls::connect(&anonymous(&url), props, &mtls)
+    let conn = redeliver_amqp::connect(&anonymous(&url), props, &mtls)
         .await
         .expect("SASL EXTERNAL with the client certificate");
     let ch = conn.create_channel().await.expect("a channel");
@@ -230,7 +230,7 @@ async fn mutual_tls_with_and_without_a_client_certificate() {
 
     // The certificate as a second factor, with the password login.
     let with_password = trusted().client_cert(tls_file("client.pem"), tls_file("client.key"));
-    let conn = tls::connect(&url, ConnectionProperties::default(), &with_password)
+    let conn = redeliver_amqp::connect(&url, ConnectionProperties::default(), &with_password)
         .await
         .expect("client certificate plus password");
     conn.close(200, "ok".into()).await.unwrap();
@@ -239,7 +239,8 @@ async fn mutual_tls_with_and_without_a_client_certificate() {
     let foreign = trusted()
         .client_cert(tls_file("other-client.pem"), tls_file("other-client.key"))
         .sasl_external(true);
-    let refused = tls::connect(&anonymous(&url), ConnectionProperties::default(), &foreign).await;
+    let refused =
+        redeliver_amqp::connect(&anonymous(&url), ConnectionProperties::default(), &foreign).await;
     let e = refused.expect_err("the broker refuses a certificate from another CA");
     assert!(
         e.to_string().contains("refused the client certificate"),
@@ -248,7 +249,7 @@ async fn mutual_tls_with_and_without_a_client_certificate() {
     println!("foreign client certificate: {e}");
 
     // EXTERNAL without a certificate: our own check, before any connection.
-    let e = tls::connect(
+    let e = redeliver_amqp::connect(
         &anonymous(&url),
         ConnectionProperties::default(),
         &trusted().sasl_external(true),

@@ -71,10 +71,10 @@ impl QueueKind {
             QueueKind::Classic => "classic",
         }
     }
-    pub fn amqp(self) -> redeliver_amqp::topology::QueueType {
+    pub fn amqp(self) -> redeliver_amqp::QueueType {
         match self {
-            QueueKind::Quorum => redeliver_amqp::topology::QueueType::Quorum,
-            QueueKind::Classic => redeliver_amqp::topology::QueueType::Classic,
+            QueueKind::Quorum => redeliver_amqp::QueueType::Quorum,
+            QueueKind::Classic => redeliver_amqp::QueueType::Classic,
         }
     }
 }
@@ -149,13 +149,13 @@ pub struct Ready {
 /// The delay infrastructure of a run: every object name starts with the run prefix.
 /// Quorum levels (redeliver's default) use the run prefix; classic levels (the "speed" option)
 /// get their own set of objects under `{prefix}cl-`.
-pub fn delay_config(prefix: &str, levels: QueueKind) -> redeliver_amqp::delay::DelayConfig {
-    let cfg = redeliver_amqp::delay::DelayConfig::new();
+pub fn delay_config(prefix: &str, levels: QueueKind) -> redeliver_amqp::DelayConfig {
+    let cfg = redeliver_amqp::DelayConfig::new();
     match levels {
         QueueKind::Quorum => cfg.prefix(prefix),
         QueueKind::Classic => cfg
             .prefix(format!("{prefix}cl-"))
-            .queue_type(redeliver_amqp::topology::QueueType::Classic),
+            .queue_type(redeliver_amqp::QueueType::Classic),
     }
 }
 

@@ -4,7 +4,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{bail, Context as _, Result};
-use redeliver_amqp::topology::Topology;
+use redeliver_amqp::Topology;
 use redeliver_core::{HandlerError, Jitter, RetryPolicy};
 use redeliver_worker::{Context, Json, Worker};
 use tokio::task::JoinHandle;

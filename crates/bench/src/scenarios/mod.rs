@@ -12,8 +12,8 @@ use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
 use lapin::Connection;
-use redeliver_amqp::delay::DelayConfig;
-use redeliver_amqp::topology::Topology;
+use redeliver_amqp::DelayConfig;
+use redeliver_amqp::Topology;
 
 use crate::broker;
 use crate::child::{self, ChildArgs, QueueKind, RunReport, Side};

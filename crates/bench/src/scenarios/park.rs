@@ -38,7 +38,7 @@ pub async fn run(ctx: &Ctx, report: &mut Report) -> Result<()> {
 async fn parked(ctx: &Ctx) -> Result<u64> {
     let mut total = 0u64;
     let delay = ctx.delay(QueueKind::Quorum);
-    for k in 0..delay.get_levels() {
+    for k in 0..delay.configured_levels() {
         total += u64::from(broker::queue_count(&ctx.conn, &delay.level_name(k)).await?);
     }
     Ok(total)

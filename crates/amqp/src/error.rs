@@ -1,0 +1,105 @@
+//! The errors of routing a delay and of declaring topology, shared by [`crate::DelayConfig`],
+//! [`crate::Topology`] and the publisher.
+
+use std::time::Duration;
+
+use crate::names::NameError;
+
+/// Why a delay cannot be routed.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum DelayError {
+    /// The delay exceeds what the levels can express and clamping is off.
+    #[error("delay {requested:?} exceeds the maximum delay {max:?} of the delay infrastructure (raise the level count or granularity, or enable clamping)")]
+    TooLong {
+        /// The requested delay.
+        requested: Duration,
+        /// [`DelayConfig::max_delay`](crate::DelayConfig::max_delay).
+        max: Duration,
+    },
+    /// The destination queue's name cannot be used as topic words.
+    #[error(transparent)]
+    InvalidName(#[from] NameError),
+    /// Granularity or level count are out of range.
+    #[error("invalid delay configuration: {0}")]
+    InvalidConfig(DelayConfigError),
+}
+
+// By hand, not `#[from]`: that would also make the inner error the `source()`, and a chain
+// printer would show its text twice.
+impl From<DelayConfigError> for DelayError {
+    fn from(e: DelayConfigError) -> Self {
+        DelayError::InvalidConfig(e)
+    }
+}
+
+/// What is wrong with a [`DelayConfig`](crate::DelayConfig).
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum DelayConfigError {
+    /// RabbitMQ TTLs are whole milliseconds.
+    #[error("granularity {granularity:?} must be a whole number of milliseconds, at least 1 ms")]
+    Granularity {
+        /// The configured granularity.
+        granularity: Duration,
+    },
+    /// The level count is zero or above the maximum.
+    #[error("level count {levels} must be between 1 and {max}")]
+    Levels {
+        /// The configured level count.
+        levels: u8,
+        /// The largest level count allowed.
+        max: u8,
+    },
+    /// The top level's TTL exceeds the largest `x-message-ttl` RabbitMQ accepts.
+    #[error("the top level's TTL of {ttl_ms} ms exceeds RabbitMQ's maximum of {max_ms} ms; use fewer levels or a finer granularity")]
+    TopLevelTtl {
+        /// `2^(L-1) * g` in milliseconds.
+        ttl_ms: u128,
+        /// RabbitMQ's maximum TTL in milliseconds.
+        max_ms: u128,
+    },
+}
+
+/// What declaring, verifying or deleting topology can fail with.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum TopologyError {
+    /// An object exists with other arguments than requested (406 PRECONDITION_FAILED).
+    #[error("{object} exists with different arguments{}: the broker said \"{broker_message}\"; requested {requested}", argument.as_ref().map(|a| format!(" (argument '{a}' differs)")).unwrap_or_default())]
+    Mismatch {
+        /// The object, e.g. `queue 'orders'`.
+        object: String,
+        /// The differing argument, when the broker's message names it.
+        argument: Option<String>,
+        /// The arguments we asked for.
+        requested: String,
+        /// The broker's reply text.
+        broker_message: String,
+    },
+    /// An object does not exist (404 NOT_FOUND), e.g. on verify or when binding to a user
+    /// exchange that was never declared.
+    #[error("{object} does not exist")]
+    Missing {
+        /// The object, e.g. `queue 'orders'`.
+        object: String,
+    },
+    /// The user lacks the permission (403 ACCESS_REFUSED); with a read/write-only user, use
+    /// `verify` instead of `declare`.
+    #[error("access refused on {object}: {broker_message}")]
+    AccessRefused {
+        /// The object, e.g. `queue 'orders'`.
+        object: String,
+        /// The broker's reply text.
+        broker_message: String,
+    },
+    /// A queue or exchange name is unusable.
+    #[error(transparent)]
+    InvalidName(#[from] NameError),
+    /// The delay configuration is invalid.
+    #[error(transparent)]
+    Delay(#[from] DelayError),
+    /// Any other AMQP error (connection lost, ...).
+    #[error("AMQP error: {0}")]
+    Amqp(#[from] lapin::Error),
+}
