@@ -10,6 +10,14 @@
 //! | [`amqp`] | `redeliver-amqp` | topology, binary delay levels, confirmed publisher, header codec |
 //! | [`worker`] | `redeliver-worker` | consumer runtime: concurrency, ack / delay / reject, shutdown, reconnect |
 //!
+//! # Features
+//!
+//! | feature | default | brings |
+//! |---|---|---|
+//! | `tls` | on | `amqps://` through rustls (ring provider); without it such a URL is refused before connecting |
+//! | `health` | on | the health server and Prometheus exporter (`worker::health`; axum, metrics-exporter-prometheus) |
+//! | `otel` | off | W3C trace context in message headers; each delivery span continues the message's trace (`amqp::trace_context`) |
+//!
 //! The items a service needs most are also at the top level:
 //!
 //! ```no_run

@@ -57,6 +57,11 @@ pub const X_FIRST_DEATH_PREFIX: &str = "x-first-death-";
 pub const X_LAST_DEATH_PREFIX: &str = "x-last-death-";
 /// Delivery counter a quorum queue sets on redelivered messages.
 pub const X_DELIVERY_COUNT: &str = "x-delivery-count";
+/// W3C trace context: the trace and parent span a message belongs to (written by the publisher
+/// and read by the worker with the `otel` feature; kept on retry copies and dead letters).
+pub const TRACEPARENT: &str = "traceparent";
+/// W3C trace context: vendor-specific trace state, next to [`TRACEPARENT`].
+pub const TRACESTATE: &str = "tracestate";
 
 /// AMQP short strings (exchange names, routing keys) cannot exceed 255 bytes.
 const SHORT_STRING_MAX: usize = 255;

@@ -46,6 +46,8 @@
 // stay public, with their types; every other module is private and its public items are
 // re-exported here.
 pub mod headers;
+#[cfg(feature = "otel")]
+pub mod trace_context;
 pub mod url;
 
 mod declare;

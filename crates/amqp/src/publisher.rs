@@ -256,6 +256,9 @@ impl Publisher {
             Some(_) => props,
             None => props.with_delivery_mode(2),
         };
+        // A retry copy keeps its original's trace; one without joins the current span's.
+        #[cfg(feature = "otel")]
+        let props = crate::trace_context::with_current(props);
         self.publish_filled(&route.exchange, &route.routing_key, body, props)
             .await
     }
@@ -377,6 +380,8 @@ fn refused_size_limit(e: &lapin::Error) -> Option<Option<usize>> {
 
 /// Fills the properties a publish should always carry, keeping those already set.
 fn fill(props: BasicProperties, content_type: &str) -> BasicProperties {
+    #[cfg(feature = "otel")]
+    let props = crate::trace_context::with_current(props);
     let mut p = props;
     if p.message_id().is_none() {
         p = p.with_message_id(uuid::Uuid::new_v4().to_string().into());

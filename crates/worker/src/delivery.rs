@@ -68,6 +68,16 @@ impl DeliveryTask {
             reason = tracing::field::Empty,
             error = tracing::field::Empty,
         );
+        #[cfg(feature = "otel")]
+        {
+            use tracing_opentelemetry::OpenTelemetrySpanExt;
+            // Each attempt is a child of the context the message carries: the publisher's span
+            // for a first delivery, the same one again for its retry copies.
+            let parent = redeliver_amqp::trace_context::extract(
+                self.delivery.properties.headers().as_ref(),
+            );
+            let _ = span.set_parent(parent);
+        }
         self.process(state).instrument(span).await;
     }
 
