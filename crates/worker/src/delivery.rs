@@ -11,10 +11,10 @@ use lapin::message::Delivery;
 use redeliver_amqp::headers::{self, RetryState};
 use redeliver_core::HandlerError;
 use tokio::sync::OwnedSemaphorePermit;
-use tracing::{debug, info_span, Instrument, Span};
+use tracing::{debug, error, info_span, Instrument, Span};
 
 use crate::handler::{Context, HandlerFuture};
-use crate::outcome::{self, Outcome};
+use crate::outcome::{self, Outcome, Settled};
 use crate::settle::{Link, Message, Settle};
 use crate::shared::Shared;
 
@@ -38,7 +38,13 @@ pub(crate) fn start(
         delivery: Arc::new(delivery),
         _permit: permit,
     };
-    let mut run = Box::pin(task.run());
+    // Nothing of a delivery may unwind into the consume loop (polled inline) or silently end
+    // its task: each step catches its own panics; this is the last line.
+    let mut run = Box::pin(AssertUnwindSafe(task.run()).catch_unwind().map(|r| {
+        if let Err(panic) = r {
+            error!(error = %outcome::panicked(&*panic).message(), "a delivery task panicked; the broker redelivers its message when the channel closes");
+        }
+    }));
     let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
     if run.as_mut().poll(&mut cx).is_pending() {
         worker.tracker.spawn(run);
@@ -87,16 +93,29 @@ impl DeliveryTask {
         let started = Instant::now();
         meters.received.increment(1);
         let outcome = self.outcome(&state).await;
-        let settled = Settle {
+        let settle = Settle {
             broker: self.link.broker(&self.delivery),
             rules: &self.link.rules,
             message: Message::of(&self.delivery, &state),
             meters,
             requeues: &self.worker.requeues,
             hard_stop: &self.worker.hard_stop,
-        }
-        .run(outcome)
-        .await;
+        };
+        let settled = match AssertUnwindSafe(settle.run(outcome)).catch_unwind().await {
+            Ok(settled) => settled,
+            Err(panic) => {
+                let error = outcome::panicked(&*panic).message();
+                error!(error = %error, "settling the delivery panicked; requeueing it");
+                let requeue = Outcome::Requeue {
+                    reason: crate::metrics_names::REASON_SETTLE_PANICKED,
+                    error,
+                };
+                AssertUnwindSafe(settle.run(requeue))
+                    .catch_unwind()
+                    .await
+                    .unwrap_or(Settled::Failed)
+            }
+        };
         let elapsed_ms = started.elapsed().as_millis() as u64;
         let span = Span::current();
         span.record("outcome", tracing::field::display(settled));
@@ -141,7 +160,19 @@ impl DeliveryTask {
             }
             Err(panic) => Some(Err(outcome::panicked(&*panic))),
         };
-        Outcome::decide(&config.settings.policy, state, result)
+        // User code runs here too (classifier rules, the error's Display): a panic is a
+        // transient failure of this delivery, decided without the rules.
+        let policy = &config.settings.policy;
+        match std::panic::catch_unwind(AssertUnwindSafe(|| Outcome::decide(policy, state, result))) {
+            Ok(outcome) => outcome,
+            Err(panic) => {
+                let error = HandlerError::transient(format!(
+                    "classifying the handler's result panicked: {}",
+                    outcome::panicked(&*panic).message()
+                ));
+                Outcome::decide(policy, state, Some(Err(error)))
+            }
+        }
     }
 
     /// Runs the handler future with panic catching, the optional timeout, and the hard stop;

@@ -37,8 +37,8 @@ pub const MESSAGES_DEAD_LETTERED: &str = "redeliver_messages_dead_lettered_total
 pub const MESSAGES_SANITIZED: &str = "redeliver_messages_sanitized_total";
 /// Deliveries the worker gave back to their queue (`basic.reject(requeue = true)`) because the
 /// broker did not confirm the copy that was to replace them; label `reason` is
-/// [`REASON_RETRY_UNCONFIRMED`], [`REASON_REPAIR_UNCONFIRMED`] or
-/// [`REASON_DEAD_LETTER_UNCONFIRMED`]. Bounded per message by
+/// [`REASON_RETRY_UNCONFIRMED`], [`REASON_REPAIR_UNCONFIRMED`],
+/// [`REASON_DEAD_LETTER_UNCONFIRMED`] or [`REASON_SETTLE_PANICKED`]. Bounded per message by
 /// `WorkerBuilder::requeue_limit`, past which the message is dead-lettered
 /// ([`REASON_REQUEUE_LIMIT`]).
 pub const MESSAGES_REQUEUED: &str = "redeliver_messages_requeued_total";
@@ -94,6 +94,9 @@ pub const REASON_RETRY_UNCONFIRMED: &str = "retry_unconfirmed";
 pub const REASON_REPAIR_UNCONFIRMED: &str = "repair_unconfirmed";
 /// Requeue reason: the annotated dead letter (`DeadLetterMode::Annotate`) was not confirmed.
 pub const REASON_DEAD_LETTER_UNCONFIRMED: &str = "dead_letter_unconfirmed";
+/// Requeue reason: settling the delivery panicked (a bug: please report it); the message goes
+/// back to its queue instead of staying unsettled.
+pub const REASON_SETTLE_PANICKED: &str = "settle_panicked";
 
 /// The [`LABEL_ATTEMPT`] value of an attempt number.
 pub(crate) fn attempt_label(attempt: u32) -> &'static str {

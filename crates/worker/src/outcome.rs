@@ -29,6 +29,9 @@ pub(crate) enum Outcome {
     DeadLetter { reason: &'static str, error: String },
     /// Republish it with its `x-death` repaired (these headers), then ack the original.
     Repair(FieldTable),
+    /// Give it back to its queue after a pause, at most `requeue_limit` times, then dead-letter
+    /// it: what is left when settling itself failed unexpectedly (a panic).
+    Requeue { reason: &'static str, error: String },
     /// The shutdown grace period ran out: leave it unsettled, the broker requeues it when the
     /// channel closes.
     Abandon,

@@ -148,6 +148,9 @@ impl<B: Broker> Settle<'_, B> {
                 Box::pin(self.dead_letter(reason, &error)).await
             }
             Outcome::Repair(headers) => Box::pin(self.repair(headers)).await,
+            Outcome::Requeue { reason, error } => {
+                Box::pin(self.requeue_bounded(reason, true, &error)).await
+            }
             Outcome::Abandon => Settled::Abandoned,
         }
     }
@@ -357,7 +360,7 @@ impl<B: Broker> Settle<'_, B> {
         &self,
         reason: &'static str,
         may_dead_letter: bool,
-        cause: &PublishError,
+        cause: &(dyn std::fmt::Display + Sync),
     ) -> Settled {
         let key = self.message.identity();
         let count = requeue::lock(self.requeues).record(key);
