@@ -3,7 +3,9 @@
 //! Every broker test connects to a real RabbitMQ (never skipping when it is down: [`connect`]
 //! fails the test with instructions), names its objects with a [`unique_prefix`], removes them
 //! through the management API ([`mgmt`], [`Cleanup`]) and waits for the broker with the polling
-//! helpers here, which all take an explicit timeout.
+//! helpers here, which all take an explicit timeout. The example programs under test come
+//! from [`examples`] and run under [`process`]; [`http`] reads health and metrics endpoints;
+//! [`reliability`] is the conservation harness of the reliability suite.
 
 #![warn(missing_docs)]
 
@@ -15,7 +17,10 @@ use lapin::types::FieldTable;
 use lapin::{BasicProperties, Channel, Connection, ConnectionProperties};
 
 pub mod examples;
+pub mod http;
 pub mod mgmt;
+pub mod process;
+pub mod reliability;
 
 /// The broker the tests use when `AMQP_URL` is not set.
 pub const DEFAULT_AMQP_URL: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
@@ -139,13 +144,19 @@ impl Drop for Cleanup {
     }
 }
 
-/// Ready messages in `queue` right now (passive declare, so no statistics lag).
-///
-/// # Panics
-///
-/// When the queue does not exist or the broker fails.
-pub async fn ready_count(conn: &Connection, queue: &str) -> u32 {
-    let ch = conn.create_channel().await.expect("channel");
+/// What a passive declare tells about a queue: no statistics lag, unlike the management API.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct QueueDepth {
+    /// Messages ready for delivery.
+    pub ready: u32,
+    /// Consumers subscribed.
+    pub consumers: u32,
+}
+
+/// The [`QueueDepth`] of `queue` right now, through a passive declare on a throwaway channel
+/// (a missing queue closes that channel, not the caller's).
+pub async fn queue_depth(conn: &Connection, queue: &str) -> Result<QueueDepth, lapin::Error> {
+    let ch = conn.create_channel().await?;
     let q = ch
         .queue_declare(
             queue.into(),
@@ -155,10 +166,24 @@ pub async fn ready_count(conn: &Connection, queue: &str) -> u32 {
             },
             FieldTable::default(),
         )
-        .await
-        .unwrap_or_else(|e| panic!("passive declare of {queue}: {e}"));
+        .await?;
     let _ = ch.close(200, "ok".into()).await;
-    q.message_count()
+    Ok(QueueDepth {
+        ready: q.message_count(),
+        consumers: q.consumer_count(),
+    })
+}
+
+/// Ready messages in `queue` right now ([`queue_depth`]).
+///
+/// # Panics
+///
+/// When the queue does not exist or the broker fails.
+pub async fn ready_count(conn: &Connection, queue: &str) -> u32 {
+    queue_depth(conn, queue)
+        .await
+        .unwrap_or_else(|e| panic!("passive declare of {queue}: {e}"))
+        .ready
 }
 
 /// Waits (polling every 50 ms) until `queue` holds exactly `n` ready messages.
