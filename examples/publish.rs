@@ -51,7 +51,7 @@ struct Args {
     no_declare: bool,
 }
 
-/// The job format of `examples/image_processing.rs` (kept in step with its `ImageJob`).
+/// The job format of `examples/image_processing/job.rs` (kept in step with its `ImageJob`).
 #[derive(Serialize)]
 struct ImageJob {
     id: u64,
