@@ -110,3 +110,42 @@ impl Drop for LoggedChild {
         self.kill();
     }
 }
+
+/// What one run of a program printed, and how it exited.
+#[derive(Debug)]
+pub struct Output {
+    /// Exit code; -1 when killed by a signal.
+    pub code: i32,
+    /// Standard output, lossily decoded.
+    pub stdout: String,
+    /// Standard error, lossily decoded.
+    pub stderr: String,
+}
+
+impl Output {
+    /// Runs `cmd` to completion, capturing both outputs.
+    ///
+    /// # Panics
+    ///
+    /// When it cannot start.
+    pub fn of(cmd: &mut Command) -> Self {
+        let out = cmd
+            .output()
+            .unwrap_or_else(|e| panic!("cannot run {:?}: {e}", cmd.get_program()));
+        Self {
+            code: out.status.code().unwrap_or(-1),
+            stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
+            stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+        }
+    }
+
+    /// Itself, after asserting exit code 0 (the failure shows both outputs).
+    pub fn ok(self) -> Self {
+        assert_eq!(
+            self.code, 0,
+            "expected success\nstdout:\n{}\nstderr:\n{}",
+            self.stdout, self.stderr
+        );
+        self
+    }
+}

@@ -8,6 +8,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use common::*;
+use redeliver_testkit::{amqp_url, connect, eventually, ready_count};
 use redeliver_worker::{
     run_all, CancellationToken, Context, HandlerError, Jitter, Json, QueueType, Raw, RetryPolicy,
     Worker, WorkerError, WorkerState,
@@ -652,4 +653,25 @@ async fn acks_skip_a_running_delivery_and_do_not_wait_for_it() {
     );
     assert_eq!(ready_count(&conn, &queue).await, 0);
     assert_eq!(ready_count(&conn, &topo.dlq_name()).await, 0);
+}
+
+/// Waits (up to 10 s) until the management API lists the connection named `name`: it shows a new
+/// connection only at its next statistics emission.
+pub async fn await_listed_connection(name: &str) {
+    let n = name.to_owned();
+    let listed = tokio::task::spawn_blocking(move || {
+        redeliver_testkit::mgmt::wait_for_connection(&n, std::time::Duration::from_secs(10))
+    })
+    .await
+    .expect("management API task");
+    assert!(listed, "management API never listed connection {name}");
+}
+
+/// Force-closes the one connection named `name` through the management API.
+pub async fn force_close_connection(name: &str) {
+    let n = name.to_owned();
+    let killed = tokio::task::spawn_blocking(move || redeliver_testkit::mgmt::kill_connections(&n))
+        .await
+        .expect("management API task");
+    assert_eq!(killed, 1, "one connection named {name} to close");
 }

@@ -1,13 +1,19 @@
 //! Outcome mapping against a real broker: ack, retry through the delay levels, dead-letter.
 
 mod common;
+#[path = "common/consuming.rs"]
+mod consuming;
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::*;
+use consuming::run_consuming;
 use redeliver_amqp::headers;
+use redeliver_testkit::{
+    amqp_url, connect, drain_queue, eventually, ready_count, record, Calls, Got,
+};
 use redeliver_worker::lapin::types::{AMQPValue, FieldTable};
 use redeliver_worker::{
     CancellationToken, Context, HandlerError, Jitter, Json, QueueType, Raw, RetryPolicy, Worker,
