@@ -28,36 +28,37 @@ const QUEUE: &str = "images";
 /// How long the broker gets to answer the first connection attempt.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 
+/// The demo's options.
 #[derive(Parser, Debug, Clone, PartialEq)]
 #[command(
     about = "The image_processing example's worker in one process: publishes jobs, consumes them with retries, prints what happened, deletes what it declared"
 )]
 pub struct Args {
-    /// jobs to publish.
+    /// Jobs to publish.
     #[arg(long, default_value_t = 50)]
     pub count: u32,
-    /// chance that one fetch fails with a simulated connection error (0 to 1).
+    /// Chance that one fetch fails with a simulated connection error (0 to 1).
     #[arg(long, default_value_t = 0.5)]
     pub fail_rate: f64,
-    /// malformed (poison) bodies to publish among the jobs.
+    /// Malformed (poison) bodies to publish among the jobs.
     #[arg(long, default_value_t = 5)]
     pub poison: u32,
-    /// seed of the simulated failures.
+    /// Seed of the simulated failures.
     #[arg(long, default_value_t = 42)]
     pub seed: u64,
-    /// first backoff delay, in milliseconds.
+    /// First backoff delay, in milliseconds.
     #[arg(long, default_value_t = 100)]
     pub base_ms: u64,
-    /// largest backoff delay, in milliseconds.
+    /// Largest backoff delay, in milliseconds.
     #[arg(long, default_value_t = 1000)]
     pub cap_ms: u64,
-    /// retries per job before it is dead-lettered.
+    /// Retries per job before it is dead-lettered.
     #[arg(long, default_value_t = 3)]
     pub max_retries: u32,
-    /// give up (and fail) after this many seconds.
+    /// Give up (and fail) after this many seconds.
     #[arg(long, default_value_t = 60)]
     pub timeout_secs: u64,
-    /// keep the demo's queues and exchanges instead of deleting them.
+    /// Keep the demo's queues and exchanges instead of deleting them.
     #[arg(long)]
     pub keep: bool,
 }

@@ -1,4 +1,5 @@
-//! Support code shared by the integration tests of the redeliver workspace.
+//! Support code shared by the integration tests of the redeliver workspace, and by the bench
+//! (management API, queue counts).
 //!
 //! Every broker test connects to a real RabbitMQ (never skipping when it is down: [`connect`]
 //! fails the test with instructions), names its objects with a [`unique_prefix`], removes them
