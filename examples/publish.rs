@@ -18,7 +18,8 @@ use anyhow::{bail, Context as _};
 use clap::Parser;
 use futures::future::try_join_all;
 use redeliver::lapin::{BasicProperties, ConnectionProperties};
-use redeliver::worker::config::Config;
+use redeliver::worker::Settings;
+use redeliver::WorkerBuilder;
 use redeliver::{Publisher, Topology};
 use serde::Serialize;
 
@@ -51,7 +52,7 @@ struct Args {
     no_declare: bool,
 }
 
-/// The job format of `examples/image_processing.rs` (kept in step with its `ImageJob`).
+/// The job format of `examples/image_processing/job.rs` (kept in step with its `ImageJob`).
 #[derive(Serialize)]
 struct ImageJob {
     id: u64,
@@ -68,21 +69,21 @@ async fn run(args: Args) -> anyhow::Result<()> {
             args.fail_rate
         );
     }
-    let cfg = Config::from_env()?;
+    let cfg = WorkerBuilder::from_env()?.settings().clone();
     let seed = args.seed.unwrap_or_else(rand::random);
     let queue = args
         .queue
         .clone()
-        .or_else(|| cfg.queue.clone())
+        .or_else(|| cfg.queue().map(str::to_owned))
         .unwrap_or_else(|| DEFAULT_QUEUE.to_owned());
     let mut topology = Topology::new(queue);
-    if let Some(prefix) = &cfg.prefix {
-        topology = topology.prefix(prefix.clone());
+    if let Some(prefix) = cfg.prefix() {
+        topology = topology.prefix(prefix);
     }
     let props = ConnectionProperties::default().with_connection_name("redeliver-publish".into());
     let conn = match tokio::time::timeout(
         Duration::from_secs(5),
-        redeliver::amqp::connect(&cfg.amqp_url, props, &cfg.tls),
+        redeliver::amqp::connect(cfg.url(), props, cfg.tls()),
     )
     .await
     {
@@ -151,14 +152,14 @@ async fn run(args: Args) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn no_broker(cfg: &Config, error: &dyn std::fmt::Display) -> String {
+fn no_broker(cfg: &Settings, error: &dyn std::fmt::Display) -> String {
     format!(
         "cannot reach RabbitMQ at {}: {error}\n\
          Start a local broker with one of:\n  \
          rabbitmq-server -detached\n  \
          docker compose -f compose/docker-compose.yml up rabbitmq\n\
          or set AMQP_URL to a reachable broker.",
-        cfg.redacted_url()
+        redeliver::amqp::url::redact(cfg.url())
     )
 }
 

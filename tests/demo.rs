@@ -1,31 +1,31 @@
-//! The `image_processing` example's demo runs to completion against the local broker and its
-//! summary adds up.
+//! The `demo` example runs to completion against the local broker and its summary adds up.
 //!
-//! The example's source is compiled into this test (`#[path]`), so the test needs no prebuilt
-//! binary and runs the very code `cargo run --example image_processing -- --demo` runs. The
-//! binary itself (exit codes, the no-broker message) is checked too: `cargo test --workspace`
-//! builds it next to this test, and a narrower run builds it first.
+//! The example's modules are compiled into this test (`#[path]`), so the test runs the very
+//! code `cargo run --example demo` runs. The binary itself (exit codes, the no-broker message)
+//! is checked too: `cargo test --workspace` builds it next to this test, and a narrower run
+//! builds it first.
 
-mod support;
+#[path = "../examples/image_processing/job.rs"]
+mod job;
+#[path = "../examples/demo/run.rs"]
+mod run;
 
-#[allow(dead_code)]
-#[path = "../examples/image_processing.rs"]
-mod image_processing;
-
-use std::path::PathBuf;
 use std::process::Command;
 use std::time::Duration;
 
 use clap::Parser;
-use image_processing::{Args, ImageJob};
-use redeliver::worker::config::Config;
+use job::ImageJob;
+use redeliver::worker::Settings;
+use redeliver::Worker;
+use redeliver_testkit::{amqp_url, START_BROKER};
+use run::Args;
 
-fn config(url: &str) -> Config {
-    Config::from_lookup(|name| (name == "AMQP_URL").then(|| url.to_owned())).expect("config")
+fn config(url: &str) -> Settings {
+    Worker::builder(url).settings().clone()
 }
 
 fn demo_args(extra: &[&str]) -> Args {
-    let mut argv = vec!["image_processing", "--demo"];
+    let mut argv = vec!["demo"];
     argv.extend_from_slice(extra);
     Args::try_parse_from(argv).expect("demo arguments")
 }
@@ -33,10 +33,10 @@ fn demo_args(extra: &[&str]) -> Args {
 #[tokio::test]
 async fn demo_runs_to_completion_and_adds_up() {
     let args = demo_args(&["--count", "40", "--poison", "4", "--seed", "7"]);
-    let cfg = config(&support::amqp_url());
-    let summary = match image_processing::run_demo(&args, &cfg).await {
+    let cfg = config(&amqp_url());
+    let summary = match run::run_demo(&args, &cfg).await {
         Ok(s) => s,
-        Err(e) => panic!("the demo failed: {e:#}\n{}", support::START_BROKER),
+        Err(e) => panic!("the demo failed: {e:#}\n{}", START_BROKER),
     };
     println!("{}", summary.render());
 
@@ -106,31 +106,23 @@ fn simulated_failures_are_seeded_and_about_half() {
         seed: 42,
     };
     let fails = (0..2000)
-        .filter(|&id| image_processing::fetch_fails(&job(id), 0))
+        .filter(|&id| job::fetch_fails(&job(id), 0))
         .count();
     assert!((850..1150).contains(&fails), "{fails} of 2000 failed");
     // Reproducible, and independent across attempts.
-    assert_eq!(
-        image_processing::fetch_fails(&job(5), 1),
-        image_processing::fetch_fails(&job(5), 1)
-    );
-    let differs = (0..200).any(|id| {
-        image_processing::fetch_fails(&job(id), 0) != image_processing::fetch_fails(&job(id), 1)
-    });
+    assert_eq!(job::fetch_fails(&job(5), 1), job::fetch_fails(&job(5), 1));
+    let differs = (0..200).any(|id| job::fetch_fails(&job(id), 0) != job::fetch_fails(&job(id), 1));
     assert!(differs);
     let never = ImageJob {
         fail_rate: 0.0,
         ..job(1)
     };
-    assert_eq!(
-        image_processing::failures_before_success(&never, 3),
-        Some(0)
-    );
+    assert_eq!(run::failures_before_success(&never, 3), Some(0));
     let always = ImageJob {
         fail_rate: 1.0,
         ..job(1)
     };
-    assert_eq!(image_processing::failures_before_success(&always, 3), None);
+    assert_eq!(run::failures_before_success(&always, 3), None);
 }
 
 #[tokio::test]
@@ -140,7 +132,7 @@ async fn without_a_broker_the_demo_says_how_to_start_one() {
         l.local_addr().expect("addr").port()
     };
     let cfg = config(&format!("amqp://guest:secret@127.0.0.1:{port}/%2f"));
-    let err = image_processing::run_demo(&demo_args(&[]), &cfg)
+    let err = run::run_demo(&demo_args(&[]), &cfg)
         .await
         .expect_err("no broker on that port");
     let text = format!("{err:#}");
@@ -155,20 +147,16 @@ async fn without_a_broker_the_demo_says_how_to_start_one() {
     );
 }
 
-/// The example binary, built first when `cargo test` did not (a narrow `--test demo`).
-fn example_binary() -> PathBuf {
-    redeliver_testkit::examples::example_binary(
-        std::path::Path::new(env!("CARGO_MANIFEST_DIR")),
-        "image_processing",
-    )
-}
-
 #[test]
 fn the_example_binary_exits_0_on_a_demo_and_1_without_a_broker() {
-    let bin = example_binary();
+    // Built first when `cargo test` did not (a narrow `--test demo`): never a pass without it.
+    let bin = redeliver_testkit::examples::example_binary(
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")),
+        "demo",
+    );
     let out = Command::new(&bin)
-        .args(["--demo", "--count", "20", "--poison", "2"])
-        .env("AMQP_URL", support::amqp_url())
+        .args(["--count", "20", "--poison", "2"])
+        .env("AMQP_URL", amqp_url())
         .env("RUST_LOG", "warn")
         .output()
         .expect("run the example");
@@ -178,7 +166,7 @@ fn the_example_binary_exits_0_on_a_demo_and_1_without_a_broker() {
         out.status.success(),
         "demo failed ({}):\n{stdout}\n{stderr}\n{}",
         out.status,
-        support::START_BROKER
+        START_BROKER
     );
     assert!(stdout.contains("adds up"), "{stdout}");
     assert!(stdout.contains("published"), "{stdout}");
@@ -188,7 +176,6 @@ fn the_example_binary_exits_0_on_a_demo_and_1_without_a_broker() {
         l.local_addr().expect("addr").port()
     };
     let out = Command::new(&bin)
-        .arg("--demo")
         .env(
             "AMQP_URL",
             format!("amqp://guest:guest@127.0.0.1:{port}/%2f"),

@@ -1,11 +1,11 @@
 //! The deployment files can't be run here (no container engine), so their key fields are checked.
 
-use serde_yaml::Value;
+use serde_norway::Value;
 
 fn load(path: &str) -> Value {
     let full = format!("{}/{path}", env!("CARGO_MANIFEST_DIR"));
     let text = std::fs::read_to_string(&full).unwrap_or_else(|e| panic!("read {full}: {e}"));
-    serde_yaml::from_str(&text).unwrap_or_else(|e| panic!("{full} is not valid YAML: {e}"))
+    serde_norway::from_str(&text).unwrap_or_else(|e| panic!("{full} is not valid YAML: {e}"))
 }
 
 fn env_names(container: &Value) -> Vec<String> {

@@ -3,8 +3,6 @@
 //! while draining; 200 when consuming. `/livez` stays 200 throughout: it never depends on the
 //! broker.
 
-mod support;
-
 use std::net::SocketAddr;
 use std::time::Duration;
 
@@ -13,7 +11,9 @@ use redeliver::{
     Backoff, CancellationToken, Context, DelayConfig, HandlerError, Jitter, Publisher, QueueType,
     Raw, RetryPolicy, Topology, Worker, WorkerStatus,
 };
-use support::*;
+use redeliver_testkit::http::{get as http_get, wait_for_status};
+use redeliver_testkit::mgmt::{blocking as mgmt, kill_connections, leftovers};
+use redeliver_testkit::{amqp_url, connect, ready_count, unique_prefix, Cleanup};
 use tokio::sync::{mpsc, Notify};
 
 async fn start_health(status: WorkerStatus) -> (SocketAddr, CancellationToken) {
@@ -76,7 +76,7 @@ async fn readyz_is_503_while_the_broker_cannot_be_reached() {
 
 #[tokio::test]
 async fn readyz_follows_the_consumer_through_connection_loss_and_drain() {
-    let prefix = prefix("health");
+    let prefix = unique_prefix("rdt-health-", 8, ".");
     let _cleanup = Cleanup(prefix.clone());
     let conn = connect().await;
     // Few classic levels: the delay infrastructure is the amqp crate's subject, not this test's.

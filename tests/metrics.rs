@@ -4,8 +4,6 @@
 //! One test in this file on purpose: the Prometheus recorder is process-wide, and every
 //! integration test file is a process of its own. The assertions are also queue-label specific.
 
-mod support;
-
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -17,7 +15,9 @@ use redeliver::{
     CancellationToken, Context, DelayConfig, HandlerError, Json, Publisher, QueueType, RetryPolicy,
     Topology, Worker,
 };
-use support::*;
+use redeliver_testkit::http::{get as http_get, parse_prometheus, sample};
+use redeliver_testkit::mgmt::{blocking as mgmt, leftovers};
+use redeliver_testkit::{amqp_url, connect, ready_count, unique_prefix, Cleanup};
 
 #[derive(serde::Deserialize)]
 struct Msg {
@@ -32,7 +32,7 @@ const RETRIES: u32 = 2;
 
 #[tokio::test]
 async fn metrics_endpoint_counts_what_happened() {
-    let prefix = prefix("metrics");
+    let prefix = unique_prefix("rdt-metrics-", 8, ".");
     let _cleanup = Cleanup(prefix.clone());
     let conn = connect().await;
     let delay = DelayConfig::new()
@@ -193,7 +193,10 @@ async fn metrics_endpoint_counts_what_happened() {
         "consuming: {text}"
     );
     assert_eq!(
-        get(m::CONNECTION_STATE, &[("queue", q), ("state", "reconnecting")]),
+        get(
+            m::CONNECTION_STATE,
+            &[("queue", q), ("state", "reconnecting")]
+        ),
         0.0,
         "{text}"
     );
@@ -203,11 +206,19 @@ async fn metrics_endpoint_counts_what_happened() {
     worker.await.expect("join").expect("clean stop");
     let s = parse_prometheus(&http_get(addr, "/metrics").await.1);
     assert_eq!(
-        sample(&s, m::CONNECTION_STATE, &[("queue", q), ("state", "stopped")]),
+        sample(
+            &s,
+            m::CONNECTION_STATE,
+            &[("queue", q), ("state", "stopped")]
+        ),
         Some(1.0)
     );
     assert_eq!(
-        sample(&s, m::CONNECTION_STATE, &[("queue", q), ("state", "consuming")]),
+        sample(
+            &s,
+            m::CONNECTION_STATE,
+            &[("queue", q), ("state", "consuming")]
+        ),
         Some(0.0)
     );
     token.cancel();

@@ -51,7 +51,9 @@ async fn one_trace_across_the_publish_and_every_attempt() {
     topology.declare(&conn).await.expect("declare");
     let queue = topology.queue_name();
 
-    let publisher = Publisher::new(&conn, delay.clone()).await.expect("publisher");
+    let publisher = Publisher::new(&conn, delay.clone())
+        .await
+        .expect("publisher");
     let publish = tracing::info_span!("publish");
     let trace_id = publish.context().span().span_context().trace_id();
     let publish_span_id = publish.context().span().span_context().span_id();
@@ -93,10 +95,9 @@ async fn one_trace_across_the_publish_and_every_attempt() {
         .build()
         .expect("worker");
     let run = tokio::spawn(worker.run(token.clone()));
-    let finished = redeliver_testkit::eventually(Duration::from_secs(20), || {
-        done.load(Ordering::SeqCst) == 2
-    })
-    .await;
+    let finished =
+        redeliver_testkit::eventually(Duration::from_secs(20), || done.load(Ordering::SeqCst) == 2)
+            .await;
     assert!(finished, "both messages handled");
     let ch = conn.create_channel().await.expect("channel");
     let dead = poll_get(&ch, &topology.dlq_name(), Duration::from_secs(10))

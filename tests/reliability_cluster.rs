@@ -15,7 +15,7 @@
 //! declared through node 3, which is never stopped, so the quorum queues' leaders are on node 3:
 //! this exercises client failover and replicas going away, not leader elections.
 
-mod reliability;
+use redeliver_testkit::reliability;
 
 use std::collections::HashSet;
 use std::sync::Arc;

@@ -5,7 +5,7 @@
 //! Only this scenario's worker connections are closed (matched by their client-provided
 //! connection name, which contains the scenario's unique prefix): other suites share the broker.
 
-mod reliability;
+use redeliver_testkit::reliability;
 
 use std::collections::HashSet;
 use std::time::{Duration, Instant};

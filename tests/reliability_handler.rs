@@ -2,7 +2,7 @@
 //! both, retries the message like any transient failure, and dead-letters what keeps failing;
 //! nothing is lost.
 
-mod reliability;
+use redeliver_testkit::reliability;
 
 use std::collections::{HashMap, HashSet};
 use std::time::{Duration, Instant};

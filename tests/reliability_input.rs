@@ -2,7 +2,7 @@
 //! in the delay infrastructure's unroutable queue), after a bounded number of handler calls,
 //! and the worker keeps serving good messages afterwards. Nothing is lost.
 
-mod reliability;
+use redeliver_testkit::reliability;
 
 use std::collections::{HashMap, HashSet};
 use std::panic::AssertUnwindSafe;

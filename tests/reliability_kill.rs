@@ -6,7 +6,7 @@
 //! must still end recorded as a success or in the DLQ; the ones killed between "recorded" and
 //! "acked" show up as duplicates.
 
-mod reliability;
+use redeliver_testkit::reliability;
 
 use std::collections::HashSet;
 use std::time::{Duration, Instant};

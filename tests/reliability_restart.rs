@@ -7,7 +7,7 @@
 //! removes afterwards; the default broker other suites use is not touched. Starting the node
 //! takes about 12 s.
 
-mod reliability;
+use redeliver_testkit::reliability;
 
 use std::collections::HashSet;
 use std::time::{Duration, Instant};

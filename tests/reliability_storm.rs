@@ -2,7 +2,7 @@
 //! message is retried `max_retries` times; with the retry budget the retries are capped at the
 //! budget's share of first attempts, the rest goes straight to the DLQ, and nothing is lost.
 
-mod reliability;
+use redeliver_testkit::reliability;
 
 use std::collections::HashSet;
 use std::time::{Duration, Instant};

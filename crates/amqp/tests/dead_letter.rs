@@ -32,8 +32,8 @@ async fn quorum_dlq_gets_the_dead_letters() {
     let p = common::prefix();
     let t = topo(&p, "qdlq").dlq_queue_type(QueueType::Quorum);
     reject_to_dlq(t.clone()).await;
-    let conn = common::connect().await;
-    common::with_cleanup(
+    let conn = redeliver_testkit::connect().await;
+    redeliver_testkit::with_cleanup(
         async {
             t.declare(&conn).await.expect("declare");
             let classic = t.clone().dlq_queue_type(QueueType::Classic);
@@ -51,8 +51,8 @@ async fn quorum_dlq_gets_the_dead_letters() {
 
 /// Rejects one message of `t`'s queue and checks it in the DLQ with the broker's `x-death`.
 async fn reject_to_dlq(t: Topology) {
-    let conn = common::connect().await;
-    common::with_cleanup(
+    let conn = redeliver_testkit::connect().await;
+    redeliver_testkit::with_cleanup(
         async {
             t.declare(&conn).await.unwrap();
             let publisher = Publisher::new(&conn, t.delay_config().clone())
@@ -69,14 +69,14 @@ async fn reject_to_dlq(t: Topology) {
                 .await
                 .unwrap();
             let ch = conn.create_channel().await.unwrap();
-            let m = common::get(&ch, &q, Duration::from_secs(5))
+            let m = redeliver_testkit::poll_get(&ch, &q, Duration::from_secs(5))
                 .await
                 .expect("in Q");
             m.reject(BasicRejectOptions { requeue: false })
                 .await
                 .unwrap();
 
-            let dead = common::get(&ch, &t.dlq_name(), Duration::from_secs(5))
+            let dead = redeliver_testkit::poll_get(&ch, &t.dlq_name(), Duration::from_secs(5))
                 .await
                 .expect("in Q.dlq");
             assert_eq!(dead.data, b"poison");
@@ -108,7 +108,7 @@ async fn return_until_gone(conn: &Connection, q: &str, nack: bool, max: u32) -> 
     let mut deliveries = 0;
     let mut ch = conn.create_channel().await.unwrap();
     while deliveries < max {
-        let Some(m) = common::get(&ch, q, Duration::from_millis(1500)).await else {
+        let Some(m) = redeliver_testkit::poll_get(&ch, q, Duration::from_millis(1500)).await else {
             break;
         };
         deliveries += 1;
@@ -134,12 +134,12 @@ async fn return_until_gone(conn: &Connection, q: &str, nack: bool, max: u32) -> 
 /// and not from 4.3 (measured: RabbitMQ 3.10.8 and 4.0.5 count it, 4.3.6 does not).
 #[tokio::test]
 async fn quorum_delivery_limit_dead_letters() {
-    let conn = common::connect().await;
+    let conn = redeliver_testkit::connect().await;
     let version = redeliver_testkit::broker_version().await;
     let p = common::prefix();
     let limit = 3;
     let t = topo(&p, "lim").delivery_limit(Some(limit));
-    common::with_cleanup(
+    redeliver_testkit::with_cleanup(
         async {
             t.declare(&conn).await.unwrap();
             let publisher = Publisher::new(&conn, t.delay_config().clone())
@@ -158,7 +158,7 @@ async fn quorum_delivery_limit_dead_letters() {
                     assert_eq!(deliveries, 2 * limit + 2, "{version}: nack must not count");
                     // Still there: take it so the close test starts from an empty queue.
                     let ch = ch_for(&conn).await;
-                    let m = common::get(&ch, &q, Duration::from_secs(5))
+                    let m = redeliver_testkit::poll_get(&ch, &q, Duration::from_secs(5))
                         .await
                         .expect("the nacked message is still in Q");
                     assert_eq!(m.data, b"nacked");
@@ -167,7 +167,7 @@ async fn quorum_delivery_limit_dead_letters() {
                 }
                 assert_eq!(deliveries, limit + 1, "{version}: {how} must count");
                 let ch = ch_for(&conn).await;
-                let dead = common::get(&ch, &t.dlq_name(), Duration::from_secs(5))
+                let dead = redeliver_testkit::poll_get(&ch, &t.dlq_name(), Duration::from_secs(5))
                     .await
                     .expect("in Q.dlq");
                 let deaths = x_death(dead.properties.headers().as_ref());
@@ -189,10 +189,10 @@ async fn ch_for(conn: &Connection) -> redeliver_amqp::lapin::Channel {
 
 #[tokio::test]
 async fn classic_queue_dead_letters_too() {
-    let conn = common::connect().await;
+    let conn = redeliver_testkit::connect().await;
     let p = common::prefix();
     let t = topo(&p, "cls").classic();
-    common::with_cleanup(
+    redeliver_testkit::with_cleanup(
         async {
             t.declare(&conn).await.unwrap();
             t.declare(&conn).await.expect("idempotent");
@@ -204,13 +204,13 @@ async fn classic_queue_dead_letters_too() {
                 .await
                 .unwrap();
             let ch = conn.create_channel().await.unwrap();
-            let m = common::get(&ch, &t.queue_name(), Duration::from_secs(5))
+            let m = redeliver_testkit::poll_get(&ch, &t.queue_name(), Duration::from_secs(5))
                 .await
                 .unwrap();
             m.reject(BasicRejectOptions { requeue: false })
                 .await
                 .unwrap();
-            let dead = common::get(&ch, &t.dlq_name(), Duration::from_secs(5))
+            let dead = redeliver_testkit::poll_get(&ch, &t.dlq_name(), Duration::from_secs(5))
                 .await
                 .unwrap();
             assert_eq!(

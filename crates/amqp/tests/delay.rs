@@ -6,9 +6,9 @@ use futures::StreamExt;
 use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
 use redeliver_amqp::headers::{self, RetryState};
-use redeliver_amqp::lapin::options::{BasicAckOptions, BasicRejectOptions};
+use redeliver_amqp::lapin::options::{BasicAckOptions, BasicConsumeOptions, BasicRejectOptions};
 use redeliver_amqp::lapin::types::{AMQPValue, ByteArray, FieldArray, FieldTable, LongString};
-use redeliver_amqp::lapin::{BasicProperties, Connection};
+use redeliver_amqp::lapin::{BasicProperties, Channel, Connection, Consumer};
 use redeliver_amqp::{DelayConfig, PublishError, Publisher, Topology};
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
@@ -40,7 +40,7 @@ async fn cleanup(conn: &Connection, t: &Topology) {
 async fn run_batch(conn: &Connection, t: &Topology, delays: &[Duration]) -> Vec<(usize, Duration)> {
     let publisher = setup(conn, t).await;
     let ch = conn.create_channel().await.unwrap();
-    let mut consumer = common::consume(&ch, &t.queue_name()).await;
+    let mut consumer = consume(&ch, &t.queue_name()).await;
     let _measuring = BROKER_BUSY.read().await;
     let mut sent = HashMap::new();
     for (i, d) in delays.iter().enumerate() {
@@ -77,7 +77,7 @@ async fn run_batch(conn: &Connection, t: &Topology, delays: &[Duration]) -> Vec<
 
 #[tokio::test]
 async fn delays_are_accurate() {
-    let conn = common::connect().await;
+    let conn = redeliver_testkit::connect().await;
     let p = common::prefix();
     let t = Topology::new("acc").prefix(&p);
     // DELAY_SEED reproduces a run; the seed is printed either way.
@@ -91,7 +91,7 @@ async fn delays_are_accurate() {
         delays.push(Duration::from_micros(rng.random_range(0..3_300_000)));
     }
     delays.shuffle(&mut rng);
-    common::with_cleanup(
+    redeliver_testkit::with_cleanup(
         async {
             let arrivals = run_batch(&conn, &t, &delays).await;
             let mut errors = Vec::new();
@@ -129,7 +129,7 @@ async fn delays_are_accurate() {
 
 #[tokio::test]
 async fn short_delays_overtake_long_ones() {
-    let conn = common::connect().await;
+    let conn = redeliver_testkit::connect().await;
     let p = common::prefix();
     let t = Topology::new("hol").prefix(&p);
     // Long ones first, sharing low levels (bit 0 set) with the short ones that follow.
@@ -137,7 +137,7 @@ async fn short_delays_overtake_long_ones() {
         .into_iter()
         .map(ms)
         .collect();
-    common::with_cleanup(
+    redeliver_testkit::with_cleanup(
         async {
             let arrivals = run_batch(&conn, &t, &delays).await;
             let order: Vec<usize> = arrivals.iter().map(|(i, _)| *i).collect();
@@ -189,12 +189,12 @@ fn user_headers() -> FieldTable {
 
 #[tokio::test]
 async fn properties_and_headers_survive_the_levels_and_reach_the_dlq() {
-    let conn = common::connect().await;
+    let conn = redeliver_testkit::connect().await;
     let p = common::prefix();
     let t = Topology::new("props")
         .prefix(&p)
         .delay(DelayConfig::new().prefix(&p).levels(8));
-    common::with_cleanup(
+    redeliver_testkit::with_cleanup(
         async {
             let publisher = setup(&conn, &t).await;
             let state = RetryState {
@@ -221,7 +221,7 @@ async fn properties_and_headers_survive_the_levels_and_reach_the_dlq() {
                 .await
                 .unwrap();
             let ch = conn.create_channel().await.unwrap();
-            let got = common::get(&ch, &t.queue_name(), Duration::from_secs(5))
+            let got = redeliver_testkit::poll_get(&ch, &t.queue_name(), Duration::from_secs(5))
                 .await
                 .expect("arrived");
             assert_eq!(got.data, body);
@@ -254,7 +254,7 @@ async fn properties_and_headers_survive_the_levels_and_reach_the_dlq() {
             got.reject(BasicRejectOptions { requeue: false })
                 .await
                 .unwrap();
-            let dead = common::get(&ch, &t.dlq_name(), Duration::from_secs(5))
+            let dead = redeliver_testkit::poll_get(&ch, &t.dlq_name(), Duration::from_secs(5))
                 .await
                 .expect("in dlq");
             let dh = dead.properties.headers().as_ref().unwrap();
@@ -272,12 +272,12 @@ async fn properties_and_headers_survive_the_levels_and_reach_the_dlq() {
 
 #[tokio::test]
 async fn unroutable_destination_is_parked_and_mandatory_publish_returns() {
-    let conn = common::connect().await;
+    let conn = redeliver_testkit::connect().await;
     let p = common::prefix();
     let t = Topology::new("park")
         .prefix(&p)
         .delay(DelayConfig::new().prefix(&p).levels(6));
-    common::with_cleanup(
+    redeliver_testkit::with_cleanup(
         async {
             let publisher = setup(&conn, &t).await;
             let ghost = format!("{p}no-such-queue");
@@ -290,7 +290,7 @@ async fn unroutable_destination_is_parked_and_mandatory_publish_returns() {
             }
             let ch = conn.create_channel().await.unwrap();
             for _ in 0..2 {
-                let parked = common::get(
+                let parked = redeliver_testkit::poll_get(
                     &ch,
                     &t.delay_config().unroutable_name(),
                     Duration::from_secs(5),
@@ -322,7 +322,7 @@ async fn unroutable_destination_is_parked_and_mandatory_publish_returns() {
                 .publish_json("", &t.queue_name(), &serde_json::json!({"ok": true}))
                 .await
                 .unwrap();
-            let got = common::get(&ch, &t.queue_name(), Duration::from_secs(5))
+            let got = redeliver_testkit::poll_get(&ch, &t.queue_name(), Duration::from_secs(5))
                 .await
                 .unwrap();
             assert_eq!(got.properties.message_id().as_ref().unwrap().as_str(), id);
@@ -339,12 +339,12 @@ async fn unroutable_destination_is_parked_and_mandatory_publish_returns() {
 
 #[tokio::test]
 async fn concurrent_publishes_share_one_publisher() {
-    let conn = common::connect().await;
+    let conn = redeliver_testkit::connect().await;
     let p = common::prefix();
     let t = Topology::new("conc")
         .prefix(&p)
         .delay(DelayConfig::new().prefix(&p).levels(4));
-    common::with_cleanup(
+    redeliver_testkit::with_cleanup(
         async {
             let publisher = setup(&conn, &t).await;
             let q = t.queue_name();
@@ -364,7 +364,7 @@ async fn concurrent_publishes_share_one_publisher() {
             }
             let ch = conn.create_channel().await.unwrap();
             for _ in 0..50 {
-                let m = common::get(&ch, &q, Duration::from_secs(5))
+                let m = redeliver_testkit::poll_get(&ch, &q, Duration::from_secs(5))
                     .await
                     .expect("all arrive");
                 m.ack(BasicAckOptions::default()).await.unwrap();
@@ -377,7 +377,7 @@ async fn concurrent_publishes_share_one_publisher() {
 
 #[tokio::test]
 async fn classic_levels_work() {
-    let conn = common::connect().await;
+    let conn = redeliver_testkit::connect().await;
     let p = common::prefix();
     let t = Topology::new("clsdelay").prefix(&p).delay(
         DelayConfig::new()
@@ -385,7 +385,7 @@ async fn classic_levels_work() {
             .levels(5)
             .queue_type(redeliver_amqp::QueueType::Classic),
     );
-    common::with_cleanup(
+    redeliver_testkit::with_cleanup(
         async {
             let arrivals = run_batch(&conn, &t, &[ms(120), ms(30), ms(0)]).await;
             let order: Vec<usize> = arrivals.iter().map(|(i, _)| *i).collect();
@@ -401,4 +401,15 @@ async fn classic_levels_work() {
         cleanup(&conn, &t),
     )
     .await;
+}
+
+async fn consume(ch: &Channel, queue: &str) -> Consumer {
+    ch.basic_consume(
+        queue.into(),
+        "".into(),
+        BasicConsumeOptions::default(),
+        FieldTable::default(),
+    )
+    .await
+    .expect("basic_consume")
 }

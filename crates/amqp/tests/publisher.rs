@@ -9,7 +9,7 @@ use redeliver_amqp::{DelayConfig, PublishError, Publisher};
 /// typed error with the broker's limit. At the limit, the broker takes it.
 #[tokio::test]
 async fn bodies_over_max_message_size_are_a_typed_error() {
-    let conn = common::connect().await;
+    let conn = redeliver_testkit::connect().await;
     let version = redeliver_testkit::broker_version().await;
     let limit = version.default_max_message_size();
     let p = common::prefix();

@@ -15,7 +15,7 @@ fn topo(prefix: &str, queue: &str) -> Topology {
 
 #[tokio::test]
 async fn declare_twice_is_a_no_op() {
-    let conn = common::connect().await;
+    let conn = redeliver_testkit::connect().await;
     let p = common::prefix();
     let t = Topology::new("orders").prefix(&p); // default 24 levels
     with_cleanup_topo(&conn, &t, async {
@@ -33,7 +33,7 @@ async fn declare_twice_is_a_no_op() {
 
 #[tokio::test]
 async fn mismatch_is_typed_and_callers_channel_survives() {
-    let conn = common::connect().await;
+    let conn = redeliver_testkit::connect().await;
     let p = common::prefix();
     let t = topo(&p, "q");
     let user_channel = conn.create_channel().await.unwrap();
@@ -94,7 +94,7 @@ async fn mismatch_is_typed_and_callers_channel_survives() {
 
 #[tokio::test]
 async fn mismatch_names_the_differing_argument() {
-    let conn = common::connect().await;
+    let conn = redeliver_testkit::connect().await;
     let p = common::prefix();
     let t = topo(&p, "q");
     with_cleanup_topo(&conn, &t, async {
@@ -130,7 +130,7 @@ async fn mismatch_names_the_differing_argument() {
 
 #[tokio::test]
 async fn verify_is_passive() {
-    let conn = common::connect().await;
+    let conn = redeliver_testkit::connect().await;
     let p = common::prefix();
     let t = topo(&p, "v");
     with_cleanup_topo(&conn, &t, async {
@@ -161,7 +161,7 @@ async fn verify_is_passive() {
 
 #[tokio::test]
 async fn binding_to_missing_user_exchange_is_missing() {
-    let conn = common::connect().await;
+    let conn = redeliver_testkit::connect().await;
     let p = common::prefix();
     let exchange = format!("{p}no-such-exchange");
     let t = topo(&p, "b").bind(&exchange, "k");
@@ -178,7 +178,7 @@ async fn binding_to_missing_user_exchange_is_missing() {
 
 #[tokio::test]
 async fn invalid_names_are_refused_before_the_broker() {
-    let conn = common::connect().await;
+    let conn = redeliver_testkit::connect().await;
     for q in ["a.*", "a..b", ".a", "#"] {
         assert!(
             matches!(
@@ -195,7 +195,7 @@ async fn with_cleanup_topo(
     t: &Topology,
     body: impl std::future::Future<Output = ()>,
 ) {
-    common::with_cleanup(body, async {
+    redeliver_testkit::with_cleanup(body, async {
         t.delete(conn).await.expect("delete topology");
         t.delay_config().delete(conn).await.expect("delete delay");
     })

@@ -1,13 +1,19 @@
 //! `dlq list|peek|replay|purge` against the real broker.
 
 mod common;
+#[path = "common/messages.rs"]
+mod messages;
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use common::*;
 use lapin::types::AMQPValue;
+use messages::*;
 use redeliver_amqp::headers;
+use redeliver_testkit::{
+    amqp_url, connect, drain, message_id, message_ids, ready_count as count, reject_all, wait_count,
+};
 use redeliver_worker::{
     CancellationToken, Context, DelayConfig, HandlerError, Json, RetryPolicy, Topology, Worker,
 };
@@ -62,7 +68,7 @@ async fn worker_dead_letters_then_list_peek_replay() {
 
     // --- list: all 5 with the right fields, nothing removed, same order twice.
     let listed = list_json("orders", &p, &[]);
-    let order = ids_of(&listed);
+    let order = message_ids(&listed);
     let mut sorted = order.clone();
     sorted.sort();
     assert_eq!(sorted, ids, "every dead-lettered message is listed once");
@@ -91,7 +97,7 @@ async fn worker_dead_letters_then_list_peek_replay() {
     }
     assert_eq!(count(&conn, &dlq).await, 5, "listing removed nothing");
     assert_eq!(
-        ids_of(&list_json("orders", &p, &[])),
+        message_ids(&list_json("orders", &p, &[])),
         order,
         "a second listing sees the same order"
     );
@@ -144,7 +150,7 @@ async fn worker_dead_letters_then_list_peek_replay() {
     assert_eq!(count(&conn, &dlq).await, 4);
     assert_eq!(count(&conn, &q).await, 1);
     let rest: Vec<String> = order.iter().filter(|i| **i != chosen).cloned().collect();
-    assert_eq!(ids_of(&list_json("orders", &p, &[])), rest);
+    assert_eq!(message_ids(&list_json("orders", &p, &[])), rest);
 
     // --- dry run changes nothing.
     let dry = cli(&["dlq", "replay", "orders", "--prefix", &p, "--dry-run"]).ok();
@@ -239,12 +245,15 @@ async fn listing_and_replay_preserve_order() {
     wait_count(&conn, &dlq, 30, Duration::from_secs(10)).await;
 
     assert_eq!(
-        ids_of(&list_json("jobs", &p, &["--limit", "10"])),
+        message_ids(&list_json("jobs", &p, &["--limit", "10"])),
         ids[..10]
     );
-    assert_eq!(ids_of(&list_json("jobs", &p, &[])), ids);
-    assert_eq!(ids_of(&list_json("jobs", &p, &["--limit", "7"])), ids[..7]);
-    assert_eq!(ids_of(&list_json("jobs", &p, &[])), ids);
+    assert_eq!(message_ids(&list_json("jobs", &p, &[])), ids);
+    assert_eq!(
+        message_ids(&list_json("jobs", &p, &["--limit", "7"])),
+        ids[..7]
+    );
+    assert_eq!(message_ids(&list_json("jobs", &p, &[])), ids);
     assert_eq!(count(&conn, &dlq).await, 30);
 
     // More than a screenful, but stdout is a pipe: no progress bar in the output.
@@ -281,7 +290,7 @@ async fn replay_limit_moves_the_head() {
     wait_count(&conn, &dlq, 6, Duration::from_secs(10)).await;
     let out = cli(&["dlq", "replay", "lim", "--prefix", &p, "--limit", "2"]).ok();
     assert!(out.stdout.contains("moved 2 message(s)"), "{}", out.stdout);
-    assert_eq!(ids_of(&list_json("lim", &p, &[])), ids[2..]);
+    assert_eq!(message_ids(&list_json("lim", &p, &[])), ids[2..]);
     let moved: Vec<String> = drain(&conn, &q)
         .await
         .iter()
@@ -391,7 +400,7 @@ async fn a_hundred_listings_keep_every_operator_message() {
     let levels = LEVELS.to_string();
     for round in 1..=100 {
         assert_eq!(
-            ids_of(&list_json("keep", &p, &[])),
+            message_ids(&list_json("keep", &p, &[])),
             ids,
             "RabbitMQ {version}: quorum DLQ after {round} listings"
         );
@@ -407,7 +416,7 @@ async fn a_hundred_listings_keep_every_operator_message() {
         .ok();
         let parked: Value = serde_json::from_str(&parked.stdout).unwrap();
         assert_eq!(
-            ids_of(&parked),
+            message_ids(&parked),
             ids,
             "RabbitMQ {version}: parking queue after {round} listings"
         );
@@ -441,7 +450,7 @@ async fn dlq_list_over_amqps() {
     let mut with_ca = args.to_vec();
     with_ca.extend(["--url", &amqps, "--tls-ca-file", ca]);
     let listed: Value = serde_json::from_str(&cli_env(&with_ca, &[]).ok().stdout).unwrap();
-    assert_eq!(ids_of(&listed), ids);
+    assert_eq!(message_ids(&listed), ids);
 
     let dir = std::env::temp_dir().join(format!("rd-cli-{p}"));
     std::fs::create_dir_all(&dir).unwrap();
@@ -450,7 +459,10 @@ async fn dlq_list_over_amqps() {
     let mut from_files = args.to_vec();
     from_files.extend(["--url-file", url_file.to_str().unwrap()]);
     let out = cli_env(&from_files, &[("REDELIVER_TLS_CA_FILE", ca)]).ok();
-    assert_eq!(ids_of(&serde_json::from_str(&out.stdout).unwrap()), ids);
+    assert_eq!(
+        message_ids(&serde_json::from_str(&out.stdout).unwrap()),
+        ids
+    );
 
     let other = redeliver_testkit::tls_file("other-ca.pem");
     let mut wrong = args.to_vec();

@@ -3,11 +3,21 @@
 //! The expected texts live in tests/snapshots/*.txt. After an intended change, regenerate them
 //! with `UPDATE_SNAPSHOTS=1 cargo test -p redeliver-cli --test snapshots` and review the diff.
 
-mod common;
-
 use std::path::PathBuf;
 
-use common::*;
+use redeliver_testkit::process::Output;
+use redeliver_testkit::{amqp_url, connect};
+
+/// Runs `redeliver ARGS` with exactly these extra environment variables (AMQP_URL removed
+/// unless given).
+fn cli_env(args: &[&str], env: &[(&str, &str)]) -> Output {
+    let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_redeliver"));
+    cmd.args(args).env_remove("AMQP_URL");
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    Output::of(&mut cmd)
+}
 
 fn snapshot_path(name: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))

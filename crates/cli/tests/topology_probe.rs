@@ -1,8 +1,12 @@
 //! `topology declare|verify|show|delete` and `delay probe` against the real broker.
 
 mod common;
+#[path = "common/messages.rs"]
+mod messages;
 
 use common::*;
+use messages::*;
+use redeliver_testkit::{connect, ready_count as count};
 use serde_json::Value;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -8,6 +8,8 @@
 //! an old dead-lettering time so that `--older-than` is deterministic.
 
 mod common;
+#[path = "common/messages.rs"]
+mod messages;
 
 use std::time::{Duration, SystemTime};
 
@@ -15,8 +17,13 @@ use common::*;
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{BasicProperties, Connection};
+use messages::*;
 use redeliver_amqp::headers::{self, DeadLetterInfo, RetryState};
 use redeliver_amqp::{DelayConfig, Publisher};
+use redeliver_testkit::process::Output;
+use redeliver_testkit::{
+    connect, drain, message_id, message_ids, ready_count as count, reject_all, wait_count,
+};
 use serde_json::{json, Value};
 
 /// Runs the command with `--prefix P --json` and parses stdout, which must be one JSON
@@ -34,7 +41,7 @@ fn parse(stdout: &str) -> Value {
 }
 
 fn list_ids(queue: &str, prefix: &str) -> Vec<String> {
-    ids_of(&run_json(&["dlq", "list", queue], prefix))
+    message_ids(&run_json(&["dlq", "list", queue], prefix))
 }
 
 /// Headers of an Annotate-mode dead letter, plus a user header.
@@ -184,7 +191,7 @@ async fn list_shows_reasons_and_groups_them() {
     let dlq = format!("{p}tri.dlq");
 
     let listed = run_json(&["dlq", "list", "tri"], &p);
-    assert_eq!(ids_of(&listed), ids);
+    assert_eq!(message_ids(&listed), ids);
     let rej0 = by_id(&listed, "rej-0");
     assert_eq!(rej0["reason"], "rejected", "{rej0}");
     assert_eq!(
@@ -541,7 +548,7 @@ async fn no_progress_bar_when_not_a_terminal() {
         publish(&conn, &dlq, &format!("b{i:02}"), b"{}", h).await;
     }
     wait_count(&conn, &dlq, 30, Duration::from_secs(10)).await;
-    let clean = |out: &Out| {
+    let clean = |out: &Output| {
         for s in [&out.stdout, &out.stderr] {
             assert!(!s.contains('\r') && !s.contains('\u{1b}'), "{s:?}");
         }
@@ -677,7 +684,7 @@ async fn json_on_every_command() {
     }
     wait_count(&conn, &parking, 3, Duration::from_secs(10)).await;
     let listed = json_of(&["unroutable", "list"]);
-    assert_eq!(ids_of(&listed), ["u0", "u1", "u2"]);
+    assert_eq!(message_ids(&listed), ["u0", "u1", "u2"]);
     let peeked = json_of(&["unroutable", "peek", "u1"]);
     assert_eq!(peeked["properties"]["message_id"], "u1", "{peeked}");
     let dry = json_of(&["unroutable", "replay", "--dry-run"]);

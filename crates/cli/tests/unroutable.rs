@@ -10,6 +10,9 @@ use lapin::types::{AMQPValue, FieldTable};
 use lapin::BasicProperties;
 use redeliver_amqp::headers::{self, RetryState};
 use redeliver_amqp::{DelayConfig, Publisher};
+use redeliver_testkit::{
+    connect, drain, message_id, message_ids, ready_count as count, wait_count,
+};
 use serde_json::Value;
 
 fn list(prefix: &str, extra: &[&str]) -> Value {
@@ -61,18 +64,18 @@ async fn parked_messages_are_listed_and_replayed_to_their_destination() {
     wait_count(&conn, &parking, 4, Duration::from_secs(10)).await;
 
     let listed = list(&p, &[]);
-    assert_eq!(ids_of(&listed), ids, "parking order kept");
+    assert_eq!(message_ids(&listed), ids, "parking order kept");
     for m in listed.as_array().unwrap() {
         assert_eq!(m["destination"], gone.as_str(), "{m}");
         assert_eq!(m["attempts"], 1, "{m}");
     }
     assert_eq!(
-        ids_of(&list(&p, &[])),
+        message_ids(&list(&p, &[])),
         ids,
         "quorum queue order kept after a listing"
     );
     assert_eq!(
-        ids_of(&list(&p, &["--queue", "nobody"])),
+        message_ids(&list(&p, &["--queue", "nobody"])),
         Vec::<String>::new()
     );
     assert_eq!(count(&conn, &parking).await, 4);
@@ -91,7 +94,7 @@ async fn parked_messages_are_listed_and_replayed_to_their_destination() {
     );
     assert_eq!(count(&conn, &parking).await, 4);
     assert_eq!(
-        ids_of(&list(&p, &[])),
+        message_ids(&list(&p, &[])),
         ids,
         "order kept after a failed replay"
     );
@@ -202,7 +205,7 @@ async fn purge_with_a_queue_filter_removes_only_that_destination() {
     assert!(out.stdout.contains("purged 2 message(s)"), "{}", out.stdout);
     assert!(out.stdout.contains("kept 3"), "{}", out.stdout);
     assert_eq!(
-        ids_of(&list(&p, &[])),
+        message_ids(&list(&p, &[])),
         ["b-0", "b-1", "b-2"],
         "the rest, in order"
     );

@@ -6,8 +6,7 @@ use std::process::Command;
 
 /// `<target>/<profile>/examples/<name>` of the test executable running now, built with
 /// `cargo build --example <name>` (same profile and target directory) when it is missing or
-/// older than `examples/<name>.rs` or any `.rs` file under `src/` and `crates/*/src/` of
-/// `workspace_root`.
+/// older than any `.rs` file under `examples/`, `src/` and `crates/*/src/` of `workspace_root`.
 ///
 /// `cargo test --workspace` builds every example next to the test binaries, so this builds
 /// nothing then; a narrower `cargo test --test X` after an edit does not, and this catches up.
@@ -24,7 +23,7 @@ pub fn example_binary(workspace_root: &Path, name: &str) -> PathBuf {
     let bin = profile_dir
         .join("examples")
         .join(format!("{name}{}", std::env::consts::EXE_SUFFIX));
-    if is_stale(&bin, workspace_root, name) {
+    if is_stale(&bin, workspace_root) {
         build(workspace_root, profile_dir, name);
     }
     assert!(
@@ -38,7 +37,7 @@ pub fn example_binary(workspace_root: &Path, name: &str) -> PathBuf {
 /// Missing, or older than a source it is built from. Only then is cargo run: building one
 /// example resolves features for its package alone, so doing it right after
 /// `cargo test --workspace` built it would rebuild it for nothing.
-fn is_stale(bin: &Path, root: &Path, name: &str) -> bool {
+fn is_stale(bin: &Path, root: &Path) -> bool {
     let Ok(built) = std::fs::metadata(bin).and_then(|m| m.modified()) else {
         return true;
     };
@@ -47,10 +46,8 @@ fn is_stale(bin: &Path, root: &Path, name: &str) -> bool {
             .and_then(|m| m.modified())
             .is_ok_and(|t| t > built)
     };
-    if newer(&root.join("examples").join(format!("{name}.rs"))) {
-        return true;
-    }
-    let mut dirs = vec![root.join("src")];
+    // The whole examples directory: an example's modules live in subdirectories.
+    let mut dirs = vec![root.join("src"), root.join("examples")];
     if let Ok(crates) = std::fs::read_dir(root.join("crates")) {
         dirs.extend(crates.flatten().map(|c| c.path().join("src")));
     }

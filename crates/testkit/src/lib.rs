@@ -1,21 +1,31 @@
-//! Support code shared by the integration tests of the redeliver workspace.
+//! Support code shared by the integration tests of the redeliver workspace, and by the bench
+//! (management API, queue counts).
 //!
 //! Every broker test connects to a real RabbitMQ (never skipping when it is down: [`connect`]
 //! fails the test with instructions), names its objects with a [`unique_prefix`], removes them
 //! through the management API ([`mgmt`], [`Cleanup`]) and waits for the broker with the polling
-//! helpers here, which all take an explicit timeout.
+//! helpers here, which all take an explicit timeout. The example programs under test come
+//! from [`examples`] and run under [`process`]; [`http`] reads health and metrics endpoints;
+//! [`reliability`] is the conservation harness of the reliability suite.
 
 #![warn(missing_docs)]
 
+use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 use lapin::message::{BasicGetMessage, Delivery};
-use lapin::options::{BasicAckOptions, BasicGetOptions, QueueDeclareOptions};
-use lapin::types::FieldTable;
+use lapin::options::{
+    BasicAckOptions, BasicConsumeOptions, BasicGetOptions, BasicQosOptions, BasicRejectOptions,
+    QueueDeclareOptions,
+};
+use lapin::types::{AMQPValue, FieldTable};
 use lapin::{BasicProperties, Channel, Connection, ConnectionProperties};
 
 pub mod examples;
+pub mod http;
 pub mod mgmt;
+pub mod process;
+pub mod reliability;
 
 /// The broker the tests use when `AMQP_URL` is not set.
 pub const DEFAULT_AMQP_URL: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
@@ -139,13 +149,19 @@ impl Drop for Cleanup {
     }
 }
 
-/// Ready messages in `queue` right now (passive declare, so no statistics lag).
-///
-/// # Panics
-///
-/// When the queue does not exist or the broker fails.
-pub async fn ready_count(conn: &Connection, queue: &str) -> u32 {
-    let ch = conn.create_channel().await.expect("channel");
+/// What a passive declare tells about a queue: no statistics lag, unlike the management API.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct QueueDepth {
+    /// Messages ready for delivery.
+    pub ready: u32,
+    /// Consumers subscribed.
+    pub consumers: u32,
+}
+
+/// The [`QueueDepth`] of `queue` right now, through a passive declare on a throwaway channel
+/// (a missing queue closes that channel, not the caller's).
+pub async fn queue_depth(conn: &Connection, queue: &str) -> Result<QueueDepth, lapin::Error> {
+    let ch = conn.create_channel().await?;
     let q = ch
         .queue_declare(
             queue.into(),
@@ -155,10 +171,24 @@ pub async fn ready_count(conn: &Connection, queue: &str) -> u32 {
             },
             FieldTable::default(),
         )
-        .await
-        .unwrap_or_else(|e| panic!("passive declare of {queue}: {e}"));
+        .await?;
     let _ = ch.close(200, "ok".into()).await;
-    q.message_count()
+    Ok(QueueDepth {
+        ready: q.message_count(),
+        consumers: q.consumer_count(),
+    })
+}
+
+/// Ready messages in `queue` right now ([`queue_depth`]).
+///
+/// # Panics
+///
+/// When the queue does not exist or the broker fails.
+pub async fn ready_count(conn: &Connection, queue: &str) -> u32 {
+    queue_depth(conn, queue)
+        .await
+        .unwrap_or_else(|e| panic!("passive declare of {queue}: {e}"))
+        .ready
 }
 
 /// Waits (polling every 50 ms) until `queue` holds exactly `n` ready messages.
@@ -241,4 +271,132 @@ pub fn message_id(props: &BasicProperties) -> String {
         .as_ref()
         .map(|m| m.to_string())
         .unwrap_or_default()
+}
+
+/// Runs `body`, then `cleanup` whether or not `body` panicked, then re-raises the panic: for
+/// cleanup that needs the async runtime (a drop guard cannot await).
+pub async fn with_cleanup<B, C>(body: B, cleanup: C)
+where
+    B: std::future::Future<Output = ()>,
+    C: std::future::Future<Output = ()>,
+{
+    use futures::FutureExt as _;
+    let outcome = std::panic::AssertUnwindSafe(body).catch_unwind().await;
+    cleanup.await;
+    if let Err(panic) = outcome {
+        std::panic::resume_unwind(panic);
+    }
+}
+
+/// A message read from a queue with basic.get: body and properties.
+#[derive(Debug)]
+pub struct Got {
+    /// The body.
+    pub body: Vec<u8>,
+    /// The properties, headers included.
+    pub properties: BasicProperties,
+}
+
+impl Got {
+    /// Its message id, or `""` when it has none.
+    pub fn message_id(&self) -> String {
+        message_id(&self.properties)
+    }
+
+    /// Header `name`, if present.
+    pub fn header(&self, name: &str) -> Option<&AMQPValue> {
+        self.properties.headers().as_ref()?.inner().get(name)
+    }
+
+    /// Header `name` as text, when it is a string.
+    pub fn header_str(&self, name: &str) -> Option<String> {
+        match self.header(name)? {
+            AMQPValue::LongString(s) => Some(s.to_string()),
+            AMQPValue::ShortString(s) => Some(s.to_string()),
+            _ => None,
+        }
+    }
+
+    /// Header `name` as an integer, when it is one.
+    pub fn header_int(&self, name: &str) -> Option<i64> {
+        match self.header(name)? {
+            AMQPValue::LongLongInt(v) => Some(*v),
+            AMQPValue::LongInt(v) => Some(i64::from(*v)),
+            AMQPValue::ShortInt(v) => Some(i64::from(*v)),
+            AMQPValue::LongUInt(v) => Some(i64::from(*v)),
+            _ => None,
+        }
+    }
+}
+
+/// Takes (and acks) every message currently in `queue`, as [`Got`]s ([`drain`]).
+pub async fn drain_queue(conn: &Connection, queue: &str) -> Vec<Got> {
+    drain(conn, queue)
+        .await
+        .into_iter()
+        .map(|m| Got {
+            body: m.delivery.data,
+            properties: m.delivery.properties,
+        })
+        .collect()
+}
+
+/// A handler's call log shared with the test: message id -> (attempt seen, instant), per call.
+pub type Calls = std::sync::Arc<std::sync::Mutex<HashMap<String, Vec<(u32, Instant)>>>>;
+
+/// Records a call of `id` at `attempt` in `calls`; returns how many calls `id` has had.
+pub fn record(calls: &Calls, id: &str, attempt: u32) -> usize {
+    let mut map = calls.lock().unwrap_or_else(|p| p.into_inner());
+    let v = map.entry(id.to_owned()).or_default();
+    v.push((attempt, Instant::now()));
+    v.len()
+}
+
+/// Consumes `n` messages of `queue` and rejects each (requeue = false) in delivery order, so
+/// the broker dead-letters them in that same order.
+///
+/// # Panics
+///
+/// When fewer than `n` arrive (10 s for each) or the broker fails.
+pub async fn reject_all(conn: &Connection, queue: &str, n: usize) {
+    use futures::StreamExt as _;
+    let ch = conn.create_channel().await.expect("channel");
+    ch.basic_qos(1, BasicQosOptions { global: false })
+        .await
+        .expect("basic.qos");
+    let mut consumer = ch
+        .basic_consume(
+            queue.into(),
+            "test-rejecter".into(),
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap_or_else(|e| panic!("basic.consume on {queue}: {e}"));
+    for _ in 0..n {
+        let d = tokio::time::timeout(Duration::from_secs(10), consumer.next())
+            .await
+            .unwrap_or_else(|_| panic!("no delivery from {queue} to reject"))
+            .expect("consumer ended")
+            .expect("delivery");
+        d.acker
+            .reject(BasicRejectOptions { requeue: false })
+            .await
+            .expect("reject");
+    }
+    ch.close(200, "ok".into()).await.expect("close the channel");
+}
+
+/// The `message_id` fields of a JSON array of messages (as `redeliver dlq list --json` prints
+/// them), in order; `""` for one without.
+///
+/// # Panics
+///
+/// When `json` is not an array.
+pub fn message_ids(json: &serde_json::Value) -> Vec<String> {
+    json.as_array()
+        .expect("a JSON array")
+        .iter()
+        .map(|m| m["message_id"].as_str().unwrap_or_default().to_owned())
+        .collect()
 }

@@ -1,25 +1,160 @@
 //! A blocking client of the RabbitMQ management API (default vhost), for what AMQP cannot tell:
-//! queue statistics, connections, and deleting objects by name prefix.
+//! queue statistics, connections, the broker version, and deleting objects by name prefix.
 //!
-//! Configured by `RABBITMQ_MGMT_URL` (default `http://127.0.0.1:15672`),
-//! `RABBITMQ_MGMT_USER` and `RABBITMQ_MGMT_PASSWORD` (default `guest`/`guest`). From async code,
-//! call it through [`blocking`].
+//! [`Client`] talks to one broker's API; the free functions use [`Client::from_env`], the test
+//! broker's. From async code, call them through [`blocking`].
 
 use std::time::{Duration, Instant};
 
 use crate::START_BROKER;
 
-/// The management API's base URL: `RABBITMQ_MGMT_URL`, or `http://127.0.0.1:15672`.
+/// The test broker's management API base URL: `RABBITMQ_MGMT_URL`, or `http://127.0.0.1:15672`.
 pub fn url() -> String {
     std::env::var("RABBITMQ_MGMT_URL").unwrap_or_else(|_| "http://127.0.0.1:15672".into())
 }
 
-/// The `Authorization` header value for `RABBITMQ_MGMT_USER` / `RABBITMQ_MGMT_PASSWORD`
-/// (default `guest`/`guest`); also for the management API of extra nodes at other ports.
-pub fn auth() -> String {
-    let user = std::env::var("RABBITMQ_MGMT_USER").unwrap_or_else(|_| "guest".into());
-    let pass = std::env::var("RABBITMQ_MGMT_PASSWORD").unwrap_or_else(|_| "guest".into());
-    format!("Basic {}", base64(format!("{user}:{pass}").as_bytes()))
+/// The management API of one broker: its base URL and the `Authorization` header value.
+#[derive(Debug, Clone)]
+pub struct Client {
+    base: String,
+    auth: String,
+}
+
+impl Client {
+    /// The API at `base`, e.g. `http://127.0.0.1:15672` or `http://user:pass@host:15672`.
+    /// Credentials in the URL win; otherwise `RABBITMQ_MGMT_USER` / `RABBITMQ_MGMT_PASSWORD`
+    /// (default `guest`/`guest`).
+    pub fn new(base: &str) -> Self {
+        let base = base.trim_end_matches('/');
+        let (scheme, rest) = base.split_once("://").unwrap_or(("http", base));
+        let (credentials, host) = match rest.rsplit_once('@') {
+            Some((cred, host)) => (cred.to_owned(), host),
+            None => {
+                let user = std::env::var("RABBITMQ_MGMT_USER").unwrap_or_else(|_| "guest".into());
+                let pass =
+                    std::env::var("RABBITMQ_MGMT_PASSWORD").unwrap_or_else(|_| "guest".into());
+                (format!("{user}:{pass}"), rest)
+            }
+        };
+        Self {
+            base: format!("{scheme}://{host}"),
+            auth: format!("Basic {}", base64(credentials.as_bytes())),
+        }
+    }
+
+    /// The test broker's API: [`url`], credentials as in [`Client::new`].
+    pub fn from_env() -> Self {
+        Self::new(&url())
+    }
+
+    /// The base URL, without credentials.
+    pub fn base(&self) -> &str {
+        &self.base
+    }
+
+    /// `GET {base}{path}` as JSON; the error says how to get the API running.
+    pub fn get_json(&self, path: &str) -> Result<serde_json::Value, String> {
+        let url = format!("{}{path}", self.base);
+        let mut resp = ureq::get(&url)
+            .header("Authorization", &self.auth)
+            .call()
+            .map_err(|e| format!("management API {url}: {e}\n{START_BROKER}"))?;
+        resp.body_mut()
+            .read_json::<serde_json::Value>()
+            .map_err(|e| format!("decoding {url}: {e}"))
+    }
+
+    /// `POST {base}{path}` with a JSON body; the JSON answer.
+    pub fn post_json(
+        &self,
+        path: &str,
+        body: &serde_json::Value,
+    ) -> Result<serde_json::Value, String> {
+        let url = format!("{}{path}", self.base);
+        let mut resp = ureq::post(&url)
+            .header("Authorization", &self.auth)
+            .send_json(body)
+            .map_err(|e| format!("POST {url}: {e}\n{START_BROKER}"))?;
+        resp.body_mut()
+            .read_json::<serde_json::Value>()
+            .map_err(|e| format!("decoding {url}: {e}"))
+    }
+
+    /// `DELETE {base}{path}`: `Ok(false)` when there was nothing to delete (404).
+    pub fn delete(&self, path: &str) -> Result<bool, String> {
+        let url = format!("{}{path}", self.base);
+        match ureq::delete(&url)
+            .header("Authorization", &self.auth)
+            .call()
+        {
+            Ok(_) => Ok(true),
+            Err(ureq::Error::StatusCode(404)) => Ok(false),
+            Err(e) => Err(format!("DELETE {url}: {e}")),
+        }
+    }
+
+    /// The version the broker reports (`/api/overview`).
+    pub fn version(&self) -> Result<String, String> {
+        let v = self.get_json("/api/overview")?;
+        v["rabbitmq_version"]
+            .as_str()
+            .map(str::to_owned)
+            .ok_or_else(|| format!("no rabbitmq_version in /api/overview: {v}"))
+    }
+
+    /// Names of the `kind` (`"queues"`, `"exchanges"`) objects starting with `prefix`.
+    pub fn names_with_prefix(&self, kind: &str, prefix: &str) -> Result<Vec<String>, String> {
+        let list = self.get_json(&format!("/api/{kind}/%2f?columns=name"))?;
+        Ok(list
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(|item| item["name"].as_str())
+            .filter(|name| name.starts_with(prefix))
+            .map(str::to_owned)
+            .collect())
+    }
+
+    /// Deletes every queue and exchange whose name starts with `prefix`; returns their names.
+    /// A failed delete of one object does not stop the others.
+    pub fn delete_prefix(&self, prefix: &str) -> Result<Vec<String>, String> {
+        let mut deleted = Vec::new();
+        for kind in ["queues", "exchanges"] {
+            for name in self.names_with_prefix(kind, prefix)? {
+                if let Ok(true) = self.delete(&format!("/api/{kind}/%2f/{}", pct(&name))) {
+                    deleted.push(name);
+                }
+            }
+        }
+        Ok(deleted)
+    }
+
+    /// Management names of the connections whose client property `connection_name` is `name`.
+    pub fn connections_named(&self, name: &str) -> Result<Vec<String>, String> {
+        let list = self.get_json("/api/connections?columns=name,client_properties")?;
+        Ok(list
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter(|c| c["client_properties"]["connection_name"].as_str() == Some(name))
+            .filter_map(|c| c["name"].as_str().map(str::to_owned))
+            .collect())
+    }
+
+    /// Force-closes the connection whose management name is `mgmt_name` (as the broker would);
+    /// `Ok(false)` when it was already gone.
+    pub fn close_connection(&self, mgmt_name: &str) -> Result<bool, String> {
+        let url = format!("{}/api/connections/{}", self.base, pct(mgmt_name));
+        match ureq::delete(&url)
+            .header("Authorization", &self.auth)
+            .header("X-Reason", "closed by a redeliver test")
+            .call()
+        {
+            Ok(_) => Ok(true),
+            Err(ureq::Error::StatusCode(404)) => Ok(false),
+            Err(e) => Err(format!("DELETE {url}: {e}")),
+        }
+    }
 }
 
 fn base64(input: &[u8]) -> String {
@@ -56,35 +191,20 @@ pub fn pct(s: &str) -> String {
     out
 }
 
-/// `GET {url()}{path}` as JSON; the error says how to get the API running.
+/// [`Client::get_json`] on the test broker.
 pub fn get_json(path: &str) -> Result<serde_json::Value, String> {
-    let url = format!("{}{}", url(), path);
-    let mut resp = ureq::get(&url)
-        .header("Authorization", &auth())
-        .call()
-        .map_err(|e| format!("management API {url}: {e}\n{START_BROKER}"))?;
-    resp.body_mut()
-        .read_json::<serde_json::Value>()
-        .map_err(|e| e.to_string())
+    Client::from_env().get_json(path)
 }
 
-/// `POST {url()}{path}` with a JSON body; the JSON answer (e.g. `/api/queues/%2f/Q/get`, what
-/// the management UI's "Get messages" shows).
-pub fn post_json(path: &str, body: &serde_json::Value) -> Result<serde_json::Value, String> {
-    let url = format!("{}{}", url(), path);
-    let mut resp = ureq::post(&url)
-        .header("Authorization", &auth())
-        .send_json(body)
-        .map_err(|e| format!("POST {url}: {e}\n{START_BROKER}"))?;
-    resp.body_mut()
-        .read_json::<serde_json::Value>()
-        .map_err(|e| e.to_string())
+/// [`Client::delete`] on the test broker.
+pub fn delete(path: &str) -> Result<bool, String> {
+    Client::from_env().delete(path)
 }
 
 /// The messages of `queue` as the management UI's "Get messages" shows them, left in place
 /// (ack mode "Nack message requeue true"): up to `count`, payloads decoded when they are text.
 pub fn get_messages(queue: &str, count: usize) -> Result<Vec<serde_json::Value>, String> {
-    let answer = post_json(
+    let answer = Client::from_env().post_json(
         &format!("/api/queues/%2f/{}/get", pct(queue)),
         &serde_json::json!({
             "count": count,
@@ -99,47 +219,16 @@ pub fn get_messages(queue: &str, count: usize) -> Result<Vec<serde_json::Value>,
         .ok_or_else(|| format!("not a list of messages: {answer}"))
 }
 
-/// `DELETE {url()}{path}`.
-pub fn delete(path: &str) -> Result<(), String> {
-    let url = format!("{}{}", url(), path);
-    ureq::delete(&url)
-        .header("Authorization", &auth())
-        .call()
-        .map(|_| ())
-        .map_err(|e| format!("DELETE {url}: {e}"))
-}
-
 /// Runs blocking management calls off the async runtime's threads.
 pub async fn blocking<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> T {
     tokio::task::spawn_blocking(f).await.expect("blocking task")
 }
 
-fn names_with_prefix(kind: &str, prefix: &str) -> Result<Vec<String>, String> {
-    let list = get_json(&format!("/api/{kind}/%2f?columns=name"))?;
-    Ok(list
-        .as_array()
-        .into_iter()
-        .flatten()
-        .filter_map(|item| item["name"].as_str())
-        .filter(|name| name.starts_with(prefix))
-        .map(str::to_owned)
-        .collect())
-}
-
-/// Deletes every queue and exchange whose name starts with `prefix`; best effort (it runs from
-/// drop guards), so failures are only printed.
+/// Deletes every queue and exchange of the test broker whose name starts with `prefix`; best
+/// effort (it runs from drop guards), so failures are only printed.
 pub fn delete_prefix(prefix: &str) {
-    for kind in ["queues", "exchanges"] {
-        let names = match names_with_prefix(kind, prefix) {
-            Ok(n) => n,
-            Err(e) => {
-                eprintln!("cleanup of {prefix}: {e}");
-                return;
-            }
-        };
-        for name in names {
-            let _ = delete(&format!("/api/{kind}/%2f/{}", pct(&name)));
-        }
+    if let Err(e) = Client::from_env().delete_prefix(prefix) {
+        eprintln!("cleanup of {prefix}: {e}");
     }
 }
 
@@ -149,9 +238,12 @@ pub fn delete_prefix(prefix: &str) {
 ///
 /// When the management API cannot be reached.
 pub fn leftovers(prefix: &str) -> Vec<String> {
+    let client = Client::from_env();
     let mut left = Vec::new();
     for kind in ["queues", "exchanges"] {
-        let names = names_with_prefix(kind, prefix).unwrap_or_else(|e| panic!("{e}"));
+        let names = client
+            .names_with_prefix(kind, prefix)
+            .unwrap_or_else(|e| panic!("{e}"));
         left.extend(names.into_iter().map(|name| format!("{kind}/{name}")));
     }
     left
@@ -209,20 +301,15 @@ pub fn prefix_stats(prefix: &str) -> QueueStats {
     s
 }
 
-/// Management names of the connections whose client property `connection_name` is `name`.
+/// [`Client::connections_named`] on the test broker.
 ///
 /// # Panics
 ///
 /// When the management API cannot be reached.
 pub fn connections_named(name: &str) -> Vec<String> {
-    let list = get_json("/api/connections?columns=name,client_properties")
-        .unwrap_or_else(|e| panic!("{e}"));
-    list.as_array()
-        .into_iter()
-        .flatten()
-        .filter(|c| c["client_properties"]["connection_name"].as_str() == Some(name))
-        .filter_map(|c| c["name"].as_str().map(str::to_owned))
-        .collect()
+    Client::from_env()
+        .connections_named(name)
+        .unwrap_or_else(|e| panic!("{e}"))
 }
 
 /// Unacked messages held by the channels of the connections named `name`.
@@ -246,20 +333,19 @@ pub fn connection_unacked(name: &str) -> u64 {
         .sum()
 }
 
-/// Force-closes the connection whose management name is `mgmt_name` (as the broker would).
-pub fn close_connection(mgmt_name: &str) -> Result<(), String> {
-    delete(&format!("/api/connections/{}", pct(mgmt_name)))
-}
-
-/// Force-closes every connection named `name` (client property); returns how many.
+/// Force-closes every connection of the test broker named `name` (client property); returns
+/// how many.
 ///
 /// # Panics
 ///
 /// When the management API cannot be reached or refuses a close.
 pub fn kill_connections(name: &str) -> usize {
-    let conns = connections_named(name);
+    let client = Client::from_env();
+    let conns = client
+        .connections_named(name)
+        .unwrap_or_else(|e| panic!("{e}"));
     for c in &conns {
-        close_connection(c).unwrap_or_else(|e| panic!("{e}"));
+        client.close_connection(c).unwrap_or_else(|e| panic!("{e}"));
     }
     conns.len()
 }
@@ -275,4 +361,34 @@ pub fn wait_for_connection(name: &str, timeout: Duration) -> bool {
         std::thread::sleep(Duration::from_millis(200));
     }
     false
+}
+
+/// Waits (up to 10 s) until the management API lists the connection named `name`: it shows a new
+/// connection only at its next statistics emission.
+pub async fn await_listed_connection(name: &str) {
+    let n = name.to_owned();
+    let listed = blocking(move || wait_for_connection(&n, Duration::from_secs(10))).await;
+    assert!(listed, "management API never listed connection {name}");
+}
+
+/// Force-closes the one connection named `name` through the management API.
+pub async fn force_close_connection(name: &str) {
+    let n = name.to_owned();
+    let killed = blocking(move || kill_connections(&n)).await;
+    assert_eq!(killed, 1, "one connection named {name} to close");
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn credentials_come_from_the_url_when_it_has_them() {
+        let c = Client::new("http://admin:s3cret@127.0.0.1:15672/");
+        assert_eq!(c.base(), "http://127.0.0.1:15672");
+        assert_eq!(c.auth, format!("Basic {}", base64(b"admin:s3cret")));
+        assert_eq!(base64(b"guest:guest"), "Z3Vlc3Q6Z3Vlc3Q=");
+        assert_eq!(base64(b"ab"), "YWI=");
+        assert_eq!(pct("a.b c/d"), "a.b%20c%2Fd");
+    }
 }

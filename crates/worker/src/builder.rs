@@ -4,10 +4,10 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
+use redeliver_amqp::url::BrokerUrl;
 use redeliver_amqp::DelayConfig;
 use redeliver_amqp::TlsConfig;
 use redeliver_amqp::Topology;
-use redeliver_amqp::url::BrokerUrl;
 use redeliver_core::{Backoff, HandlerError, Jitter, RetryPolicy};
 use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;

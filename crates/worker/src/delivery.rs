@@ -79,9 +79,8 @@ impl DeliveryTask {
             use tracing_opentelemetry::OpenTelemetrySpanExt;
             // Each attempt is a child of the context the message carries: the publisher's span
             // for a first delivery, the same one again for its retry copies.
-            let parent = redeliver_amqp::trace_context::extract(
-                self.delivery.properties.headers().as_ref(),
-            );
+            let parent =
+                redeliver_amqp::trace_context::extract(self.delivery.properties.headers().as_ref());
             let _ = span.set_parent(parent);
         }
         self.process(state).instrument(span).await;
@@ -163,7 +162,8 @@ impl DeliveryTask {
         // User code runs here too (classifier rules, the error's Display): a panic is a
         // transient failure of this delivery, decided without the rules.
         let policy = &config.settings.policy;
-        match std::panic::catch_unwind(AssertUnwindSafe(|| Outcome::decide(policy, state, result))) {
+        match std::panic::catch_unwind(AssertUnwindSafe(|| Outcome::decide(policy, state, result)))
+        {
             Ok(outcome) => outcome,
             Err(panic) => {
                 let error = HandlerError::transient(format!(

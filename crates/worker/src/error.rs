@@ -1,9 +1,9 @@
 //! Why a worker stops.
 
-use redeliver_amqp::PublishError;
-use redeliver_amqp::ConnectError;
-use redeliver_amqp::TopologyError;
 use redeliver_amqp::url::UrlError;
+use redeliver_amqp::ConnectError;
+use redeliver_amqp::PublishError;
+use redeliver_amqp::TopologyError;
 
 /// Errors that stop a worker. Connection problems are not among them: the worker reconnects
 /// (with backoff) until it is told to stop.

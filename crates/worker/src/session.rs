@@ -10,8 +10,8 @@ use lapin::options::{
 };
 use lapin::types::FieldTable;
 use lapin::{Channel, Connection, ConnectionProperties, Consumer, Event};
-use redeliver_amqp::ServerInfo;
 use redeliver_amqp::url::BrokerUrl;
+use redeliver_amqp::ServerInfo;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 

@@ -5,10 +5,10 @@ use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
 
+use redeliver_amqp::url::{self, BrokerUrl};
 use redeliver_amqp::DelayConfig;
 use redeliver_amqp::TlsConfig;
 use redeliver_amqp::Topology;
-use redeliver_amqp::url::{self, BrokerUrl};
 use redeliver_core::{Backoff, Jitter, RetryPolicy};
 
 use crate::handler::ErasedHandler;

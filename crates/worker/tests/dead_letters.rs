@@ -2,11 +2,15 @@
 //! (what the management UI's "Get messages" shows), in both dead-letter modes.
 
 mod common;
+#[path = "common/consuming.rs"]
+mod consuming;
 
 use std::time::Duration;
 
 use common::*;
+use consuming::run_consuming;
 use redeliver_amqp::headers;
+use redeliver_testkit::{amqp_url, ready_count};
 use redeliver_worker::lapin::types::{AMQPValue, FieldTable};
 use redeliver_worker::{
     CancellationToken, Context, DeadLetterMode, HandlerError, Json, QueueType, RetryPolicy, Worker,

@@ -8,6 +8,8 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use common::*;
+use redeliver_testkit::mgmt::{await_listed_connection, force_close_connection};
+use redeliver_testkit::{amqp_url, connect, eventually, ready_count};
 use redeliver_worker::{
     run_all, CancellationToken, Context, HandlerError, Jitter, Json, QueueType, Raw, RetryPolicy,
     Worker, WorkerError, WorkerState,

@@ -10,6 +10,8 @@ use std::time::{Duration, Instant};
 use common::*;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
+use redeliver_testkit::mgmt::{connection_unacked, prefix_stats, queue_stats, QueueStats};
+use redeliver_testkit::{amqp_url, connect, drain_queue, eventually, ready_count, Got};
 use redeliver_worker::{
     CancellationToken, Context, HandlerError, Jitter, Json, QueueType, RetryPolicy, Worker,
     WorkerState,

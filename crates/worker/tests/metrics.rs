@@ -13,6 +13,8 @@ use metrics::{
     Counter, CounterFn, Gauge, GaugeFn, Histogram, HistogramFn, Key, KeyName, Metadata, Recorder,
     SharedString, Unit,
 };
+use redeliver_testkit::mgmt::{await_listed_connection, force_close_connection};
+use redeliver_testkit::{amqp_url, eventually};
 use redeliver_worker::metrics_names as m;
 use redeliver_worker::{
     CancellationToken, Context, HandlerError, Jitter, Json, QueueType, RetryPolicy, Worker,

@@ -1,13 +1,19 @@
 //! Outcome mapping against a real broker: ack, retry through the delay levels, dead-letter.
 
 mod common;
+#[path = "common/consuming.rs"]
+mod consuming;
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::*;
+use consuming::run_consuming;
 use redeliver_amqp::headers;
+use redeliver_testkit::{
+    amqp_url, connect, drain_queue, eventually, ready_count, record, Calls, Got,
+};
 use redeliver_worker::lapin::types::{AMQPValue, FieldTable};
 use redeliver_worker::{
     CancellationToken, Context, HandlerError, Jitter, Json, QueueType, Raw, RetryPolicy, Worker,
@@ -406,13 +412,19 @@ async fn unconfirmable_and_too_large_retry_copies_end_in_the_dlq() {
     // the parking exchange (the alternate exchange) gone, it routes nowhere and comes back.
     let delay = topo.delay_config();
     let pct = redeliver_testkit::mgmt::pct;
-    redeliver_testkit::mgmt::delete(&format!("/api/queues/%2f/{}", pct(&delay.level_name(1))))
-        .expect("delete level 1's queue");
-    redeliver_testkit::mgmt::delete(&format!(
-        "/api/exchanges/%2f/{}",
-        pct(&delay.unroutable_name())
-    ))
-    .expect("delete the parking exchange");
+    // Each object must exist: a 404 here would mean the test no longer tests anything.
+    let delete = |path: String, what: &str| {
+        let deleted = redeliver_testkit::mgmt::delete(&path).unwrap_or_else(|e| panic!("{e}"));
+        assert!(deleted, "{what} does not exist");
+    };
+    delete(
+        format!("/api/queues/%2f/{}", pct(&delay.level_name(1))),
+        "level 1's queue",
+    );
+    delete(
+        format!("/api/exchanges/%2f/{}", pct(&delay.unroutable_name())),
+        "the parking exchange",
+    );
     publish_all(&conn, &queue, vec![(b"small".to_vec(), props("stuck"))]).await;
     let start = Instant::now();
     while dead.len() < 2 && start.elapsed() < Duration::from_secs(30) {
@@ -422,8 +434,10 @@ async fn unconfirmable_and_too_large_retry_copies_end_in_the_dlq() {
     // Level 1's exchange gone too: each copy is now refused with a 404, which closes the
     // publisher's channel. That must not cost the consuming session (no reconnect, which would
     // also declare the exchange again): the same bound applies.
-    redeliver_testkit::mgmt::delete(&format!("/api/exchanges/%2f/{}", pct(&delay.level_name(1))))
-        .expect("delete level 1's exchange");
+    delete(
+        format!("/api/exchanges/%2f/{}", pct(&delay.level_name(1))),
+        "level 1's exchange",
+    );
     publish_all(&conn, &queue, vec![(b"closing".to_vec(), props("404"))]).await;
     let start = Instant::now();
     let mut left_consuming = false;

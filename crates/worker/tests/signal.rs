@@ -8,16 +8,15 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::*;
+use redeliver_testkit::{amqp_url, eventually, ready_count};
 use redeliver_worker::{Context, HandlerError, QueueType, Raw, Worker, WorkerState};
 
 #[cfg(unix)]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_drains_and_returns_ok() {
     init_tracing();
-    let names = Names::new("sig");
-    let conn = connect().await;
-    let topo = names.topology("q", QueueType::Classic, names.delay(4, QueueType::Classic));
-    let queue = topo.queue_name();
+    let (_names, conn, topo, queue) =
+        fixture("sig", QueueType::Classic, 4, QueueType::Classic).await;
     let started = Arc::new(AtomicUsize::new(0));
     let finished = Arc::new(AtomicUsize::new(0));
     let (s, f) = (started.clone(), finished.clone());

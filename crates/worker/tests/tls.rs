@@ -3,12 +3,16 @@
 //! and mutual TLS with SASL EXTERNAL.
 
 mod common;
+#[path = "common/consuming.rs"]
+mod consuming;
 
 use std::time::Duration;
 
 use common::*;
+use consuming::run_consuming;
 use redeliver_amqp::ConnectError;
 use redeliver_testkit::{amqps_url, tls_file};
+use redeliver_testkit::{drain_queue, eventually, ready_count, record, Calls, Got};
 use redeliver_worker::lapin::ConnectionProperties;
 use redeliver_worker::{
     CancellationToken, Context, HandlerError, Json, QueueType, RetryPolicy, TlsConfig, Worker,

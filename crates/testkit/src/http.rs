@@ -1,30 +1,17 @@
-//! Helpers shared by the root integration tests that need a broker: a small HTTP client for the
-//! health endpoints and a Prometheus text parser. Connection (failing with instructions, never
-//! skipping), unique names and their cleanup and the management API come from
-//! `redeliver-testkit`, re-exported here.
-#![allow(dead_code)]
+//! The worker's HTTP endpoints as a test sees them: plain GETs, and the Prometheus text format.
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
-#[allow(unused_imports)] // each test file uses a different subset
-pub use redeliver_testkit::mgmt::{
-    blocking as mgmt, connections_named, delete_prefix as cleanup_prefix, kill_connections,
-    leftovers, url as mgmt_url,
-};
-#[allow(unused_imports)] // each test file uses a different subset
-pub use redeliver_testkit::{amqp_url, connect, ready_count, Cleanup, START_BROKER};
-
-/// A unique prefix for every object of one test (delay levels included).
-pub fn prefix(test: &str) -> String {
-    redeliver_testkit::unique_prefix(&format!("rdt-{test}-"), 8, ".")
-}
-
 /// `GET http://{addr}{path}`: (status, body). 503 is an answer here, not an error.
-pub async fn http_get(addr: SocketAddr, path: &str) -> (u16, String) {
+///
+/// # Panics
+///
+/// When nothing answers within 5 s.
+pub async fn get(addr: SocketAddr, path: &str) -> (u16, String) {
     let url = format!("http://{addr}{path}");
-    mgmt(move || {
+    crate::mgmt::blocking(move || {
         let agent: ureq::Agent = ureq::Agent::config_builder()
             .http_status_as_error(false)
             .timeout_global(Some(Duration::from_secs(5)))
@@ -41,7 +28,11 @@ pub async fn http_get(addr: SocketAddr, path: &str) -> (u16, String) {
     .await
 }
 
-/// Polls `GET path` until it answers `status`; returns the body, or panics with the last answer.
+/// Polls `GET path` until it answers `status`; returns the body.
+///
+/// # Panics
+///
+/// When it does not within `timeout`, with the last answer.
 pub async fn wait_for_status(
     addr: SocketAddr,
     path: &str,
@@ -50,7 +41,7 @@ pub async fn wait_for_status(
 ) -> String {
     let start = Instant::now();
     loop {
-        let (code, body) = http_get(addr, path).await;
+        let (code, body) = get(addr, path).await;
         if code == status {
             return body;
         }
@@ -64,13 +55,20 @@ pub async fn wait_for_status(
 /// One sample of the Prometheus text format.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Sample {
+    /// Metric name (with its `_bucket`, `_sum`, `_count` suffix, if any).
     pub name: String,
+    /// Label names and values.
     pub labels: BTreeMap<String, String>,
+    /// The value.
     pub value: f64,
 }
 
 /// Parses the sample lines of a Prometheus text exposition (no escaped quotes in label values:
 /// ours are queue names and small words).
+///
+/// # Panics
+///
+/// On a line that is not a sample.
 pub fn parse_prometheus(text: &str) -> Vec<Sample> {
     let mut out = Vec::new();
     for line in text.lines() {

@@ -9,27 +9,32 @@
 //! at-least-once, counted and printed).
 //!
 //! A broker that cannot be reached fails the test with instructions, never skips it.
-#![allow(dead_code)]
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::future::Future;
 use std::panic::AssertUnwindSafe;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use futures::{FutureExt, StreamExt};
-use redeliver::amqp::Publisher;
-use redeliver::lapin::options::{BasicGetOptions, BasicPublishOptions, QueueDeclareOptions};
-use redeliver::lapin::types::{AMQPValue, FieldTable};
-use redeliver::lapin::{BasicProperties, Connection, ConnectionProperties};
-use redeliver::{DelayConfig, QueueType, Topology};
-use redeliver_testkit::mgmt;
+use lapin::options::{BasicGetOptions, BasicPublishOptions};
+use lapin::types::{AMQPValue, FieldTable};
+use lapin::{BasicProperties, Connection, ConnectionProperties};
+use redeliver_amqp::{DelayConfig, Publisher, QueueType, Topology};
+
+use crate::mgmt;
+use crate::process::LoggedChild;
+
+/// The workspace's root directory (the examples and `scripts/` live there).
+fn workspace_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
 
 /// The default broker (AMQP_URL overrides).
 pub fn amqp_url() -> String {
-    redeliver_testkit::amqp_url()
+    crate::amqp_url()
 }
 
 /// The default broker's management API (RABBITMQ_MGMT_URL overrides).
@@ -37,17 +42,16 @@ pub fn mgmt_url() -> String {
     mgmt::url()
 }
 
-const HOW_TO_START: &str = "These tests need a real RabbitMQ (3.10+) with the management plugin: \
-    start it with `rabbitmq-server -detached` and `rabbitmq-plugins enable rabbitmq_management` \
-    (or run `bash scripts/ensure-rabbitmq.sh`), or point AMQP_URL / RABBITMQ_MGMT_URL at one.";
-
 /// Connects to `url` or fails the test with instructions.
 pub async fn connect(url: &str) -> Connection {
     let props = ConnectionProperties::default()
         .with_connection_name("redeliver-reliability-harness".into());
     match Connection::connect(url, props).await {
         Ok(c) => c,
-        Err(e) => panic!("cannot connect to RabbitMQ at {url}: {e}\n{HOW_TO_START}"),
+        Err(e) => panic!(
+            "cannot connect to RabbitMQ at {url}: {e}\n{}",
+            crate::START_BROKER
+        ),
     }
 }
 
@@ -67,12 +71,7 @@ pub fn report(line: impl AsRef<str>) {
 /// (`cargo test --test reliability_kill`) did not build it, it is built here with the same cargo.
 pub fn worker_binary() -> &'static Path {
     static BIN: OnceLock<PathBuf> = OnceLock::new();
-    BIN.get_or_init(|| {
-        redeliver_testkit::examples::example_binary(
-            Path::new(env!("CARGO_MANIFEST_DIR")),
-            "reliability_worker",
-        )
-    })
+    BIN.get_or_init(|| crate::examples::example_binary(&workspace_root(), "reliability_worker"))
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -83,10 +82,15 @@ pub fn worker_binary() -> &'static Path {
 pub struct Shape {
     /// AMQP URL of the broker (the test's publisher and the accounting use it).
     pub url: String,
+    /// Type of the work queue.
     pub queue_type: QueueType,
+    /// Delay levels of the scenario's own delay infrastructure.
     pub delay_levels: u8,
+    /// Type of the delay level queues.
     pub delay_queue_type: QueueType,
+    /// Type of the DLQ.
     pub dlq_queue_type: QueueType,
+    /// Quorum `x-delivery-limit` of the work queue.
     pub delivery_limit: u32,
 }
 
@@ -107,14 +111,21 @@ impl Default for Shape {
 
 /// One test's topology, files and worker processes.
 pub struct Scenario {
+    /// Test name, as given to [`Scenario::new`].
     pub name: String,
+    /// Prefix of every object of the scenario (delay levels included).
     pub prefix: String,
     /// Queue name without the prefix.
     pub short_queue: String,
+    /// How the topology is shaped.
     pub shape: Shape,
+    /// The topology the workers consume.
     pub topology: Topology,
+    /// Directory of the worker logs, events and records.
     pub dir: PathBuf,
+    /// Ids the handlers recorded as succeeded, one per line.
     pub record: PathBuf,
+    /// Handler calls, `id attempt behaviour` per line.
     pub calls: PathBuf,
     /// The harness's own connection and publisher; replaced by [`Scenario::reconnect`] after a
     /// broker restart.
@@ -220,18 +231,22 @@ impl Scenario {
         }
     }
 
+    /// Full name of the work queue.
     pub fn queue(&self) -> String {
         self.topology.queue_name()
     }
 
+    /// Full name of the DLQ.
     pub fn dlq(&self) -> String {
         self.topology.dlq_name()
     }
 
+    /// The scenario's delay infrastructure.
     pub fn delay(&self) -> &DelayConfig {
         self.topology.delay_config()
     }
 
+    /// The harness's current connection.
     pub fn connection(&self) -> Arc<Connection> {
         Arc::clone(&self.lock_link().0)
     }
@@ -401,24 +416,10 @@ impl Scenario {
 
     /// Ready messages and consumers of `queue` right now (passive declare: no statistics lag).
     pub async fn queue_state(&self, queue: &str) -> (u32, u32) {
-        let ch = self
-            .connection()
-            .create_channel()
-            .await
-            .expect("open a channel for a passive declare");
-        let q = ch
-            .queue_declare(
-                queue.into(),
-                QueueDeclareOptions {
-                    passive: true,
-                    ..QueueDeclareOptions::default()
-                },
-                FieldTable::default(),
-            )
+        let d = crate::queue_depth(&self.connection(), queue)
             .await
             .unwrap_or_else(|e| panic!("passive declare of {queue}: {e}"));
-        let _ = ch.close(200, "done".into()).await;
-        (q.message_count(), q.consumer_count())
+        (d.ready, d.consumers)
     }
 
     /// Ready counts of every queue of the scenario.
@@ -648,26 +649,36 @@ fn read_lines(path: &Path) -> Vec<String> {
 /// Ready messages per queue of a scenario, and the work queue's consumers.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct Counts {
+    /// Ready in the work queue.
     pub queue: u32,
+    /// Consumers on the work queue.
     pub consumers: u32,
+    /// Ready in the DLQ.
     pub dlq: u32,
+    /// Ready across the delay levels.
     pub delay: u32,
+    /// Ready in the unroutable (parking) queue.
     pub unroutable: u32,
 }
 
 /// A drained message.
 #[derive(Clone, Debug)]
 pub struct Got {
+    /// Its `message_id` (empty when it has none).
     pub id: String,
+    /// Its headers.
     pub headers: FieldTable,
+    /// Its body size.
     pub body_len: usize,
 }
 
 impl Got {
+    /// Header `name`, if present.
     pub fn header(&self, name: &str) -> Option<&AMQPValue> {
         self.headers.inner().get(name)
     }
 
+    /// Header `name` as text, when it is a string.
     pub fn header_str(&self, name: &str) -> Option<String> {
         match self.header(name)? {
             AMQPValue::LongString(v) => Some(String::from_utf8_lossy(v.as_bytes()).into_owned()),
@@ -676,6 +687,7 @@ impl Got {
         }
     }
 
+    /// Header `name` as an integer, when it is one.
     pub fn header_int(&self, name: &str) -> Option<i64> {
         match self.header(name)? {
             AMQPValue::LongLongInt(v) => Some(*v),
@@ -688,7 +700,7 @@ impl Got {
 
     /// `reason` of the newest x-death entry.
     pub fn death_reason(&self) -> Option<String> {
-        redeliver::amqp::headers::x_death(Some(&self.headers))
+        redeliver_amqp::headers::x_death(Some(&self.headers))
             .first()
             .map(|d| d.reason.clone())
     }
@@ -697,14 +709,17 @@ impl Got {
 /// Where every published id ended up.
 #[derive(Debug)]
 pub struct Accounting {
+    /// Ids published.
     pub published: usize,
     /// Distinct ids recorded as succeeded.
     pub succeeded: usize,
     /// Success lines for published ids (more than `succeeded` when handlers ran twice).
     pub succeeded_lines: usize,
+    /// Published ids found in the DLQ.
     pub dead_lettered: usize,
     /// Still in the work queue or the delay levels.
     pub remaining: usize,
+    /// Messages found in the unroutable queue.
     pub unroutable: usize,
     /// Published ids found nowhere.
     pub lost: Vec<String>,
@@ -712,11 +727,14 @@ pub struct Accounting {
     pub duplicates: usize,
     /// Messages found that this scenario did not publish.
     pub foreign: usize,
+    /// What the DLQ held.
     pub dlq: Vec<Got>,
+    /// What the unroutable queue held.
     pub unroutable_messages: Vec<Got>,
 }
 
 impl Accounting {
+    /// One line with every count.
     pub fn summary(&self) -> String {
         format!(
             "N={} succeeded={} (success lines {}) dead-lettered={} remaining={} unroutable={} \
@@ -800,15 +818,9 @@ impl WorkerCmd {
     /// Starts the process; its output goes to `<scenario dir>/<label>.log`, its state changes
     /// to `<label>.events`.
     pub fn spawn(&self, label: &str) -> WorkerProc {
-        let log_path = self.dir.join(format!("{label}.log"));
         let events = self.dir.join(format!("{label}.events"));
-        let log = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(&log_path)
-            .expect("open the worker log");
-        let child = Command::new(worker_binary())
-            .args(&self.args)
+        let mut cmd = Command::new(worker_binary());
+        cmd.args(&self.args)
             .arg("--events")
             .arg(&events)
             .env(
@@ -817,16 +829,10 @@ impl WorkerCmd {
             )
             // AMQP_URL would otherwise be ignored anyway (--url is given); keep the child's
             // environment free of it so a single source decides.
-            .env_remove("AMQP_URL")
-            .stdin(Stdio::null())
-            .stdout(log.try_clone().expect("clone the log handle"))
-            .stderr(log)
-            .spawn()
-            .unwrap_or_else(|e| panic!("spawn {}: {e}", worker_binary().display()));
+            .env_remove("AMQP_URL");
+        let log = self.dir.join(format!("{label}.log"));
         WorkerProc {
-            child: Some(child),
-            label: label.to_owned(),
-            log: log_path,
+            process: LoggedChild::spawn(cmd, label, log),
             events,
         }
     }
@@ -834,9 +840,8 @@ impl WorkerCmd {
 
 /// A running worker process; killed (SIGKILL) if still running when dropped.
 pub struct WorkerProc {
-    child: Option<Child>,
-    pub label: String,
-    pub log: PathBuf,
+    process: LoggedChild,
+    /// Its state changes, one `unix-ms state url-index` line each.
     pub events: PathBuf,
 }
 
@@ -852,6 +857,7 @@ pub struct Outage {
 }
 
 impl Outage {
+    /// From losing the connection to consuming again.
     pub fn duration(&self) -> Duration {
         Duration::from_millis(u64::try_from(self.back_at - self.lost_at).unwrap_or(u64::MAX))
     }
@@ -865,53 +871,21 @@ pub fn unix_ms() -> u128 {
         .unwrap_or(0)
 }
 
+impl std::ops::Deref for WorkerProc {
+    type Target = LoggedChild;
+
+    fn deref(&self) -> &LoggedChild {
+        &self.process
+    }
+}
+
+impl std::ops::DerefMut for WorkerProc {
+    fn deref_mut(&mut self) -> &mut LoggedChild {
+        &mut self.process
+    }
+}
+
 impl WorkerProc {
-    pub fn pid(&self) -> u32 {
-        self.child.as_ref().map(Child::id).unwrap_or(0)
-    }
-
-    /// True while the process runs.
-    pub fn is_running(&mut self) -> bool {
-        match self.child.as_mut() {
-            Some(c) => matches!(c.try_wait(), Ok(None)),
-            None => false,
-        }
-    }
-
-    /// SIGKILL: no shutdown code runs, unacked deliveries go back to the queue through the
-    /// broker when the TCP connection drops.
-    pub fn kill(&mut self) {
-        if let Some(mut c) = self.child.take() {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
-
-    /// SIGTERM and wait for a graceful exit (SIGKILL after `timeout`); returns the exit status
-    /// as text.
-    pub async fn terminate(&mut self, timeout: Duration) -> String {
-        let Some(mut c) = self.child.take() else {
-            return "already stopped".into();
-        };
-        let _ = Command::new("kill")
-            .args(["-TERM", &c.id().to_string()])
-            .status();
-        let start = Instant::now();
-        loop {
-            match c.try_wait() {
-                Ok(Some(status)) => return status.to_string(),
-                Ok(None) if start.elapsed() < timeout => {
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                }
-                _ => {
-                    let _ = c.kill();
-                    let _ = c.wait();
-                    return format!("killed after {timeout:?} without exiting");
-                }
-            }
-        }
-    }
-
     /// State changes written by the worker: (unix ms, state, index of the URL in use).
     pub fn state_changes(&self) -> Vec<(u128, String, usize)> {
         read_lines(&self.events)
@@ -980,74 +954,39 @@ impl WorkerProc {
             assert!(
                 start.elapsed() < timeout,
                 "{}: no recovery within {timeout:?}; state changes: {:?}\n{}",
-                self.label,
+                self.label(),
                 self.state_changes(),
                 self.log_tail(20)
             );
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
     }
-
-    /// The last lines of the process's log, for assertion messages.
-    pub fn log_tail(&self, lines: usize) -> String {
-        let text = std::fs::read_to_string(&self.log).unwrap_or_default();
-        let all: Vec<&str> = text.lines().collect();
-        all[all.len().saturating_sub(lines)..].join("\n")
-    }
-}
-
-impl Drop for WorkerProc {
-    fn drop(&mut self) {
-        self.kill();
-    }
 }
 
 // ---------------------------------------------------------------------------------------------
 // Management API (default broker unless told otherwise)
 
-/// Management names of the connections whose client-provided name is exactly `name`.
+/// Management names of the connections whose client-provided name is exactly `name`, on the
+/// broker whose management API is at `mgmt`.
 pub async fn connections_named(mgmt: &str, name: &str) -> Vec<String> {
-    let url = format!("{mgmt}/api/connections?columns=name,client_properties");
-    let name = name.to_owned();
-    tokio::task::spawn_blocking(move || {
-        let mut resp = ureq::get(&url)
-            .header("Authorization", &mgmt::auth())
-            .call()
-            .unwrap_or_else(|e| panic!("GET {url}: {e}\n{HOW_TO_START}"));
-        let list: serde_json::Value = resp.body_mut().read_json().expect("connections JSON");
-        list.as_array()
-            .into_iter()
-            .flatten()
-            .filter(|c| c["client_properties"]["connection_name"].as_str() == Some(&name))
-            .filter_map(|c| c["name"].as_str().map(str::to_owned))
-            .collect()
-    })
-    .await
-    .expect("management API task")
+    let (client, name) = (mgmt::Client::new(mgmt), name.to_owned());
+    mgmt::blocking(move || client.connections_named(&name))
+        .await
+        .unwrap_or_else(|e| panic!("{e}"))
 }
 
-/// Force-closes the given connections (as an operator or a broker-side failure would).
-/// A connection already gone (404) is not an error.
+/// Force-closes the given connections (as an operator or a broker-side failure would); returns
+/// how many were closed. A connection already gone is not an error.
 pub async fn close_connections(mgmt: &str, names: Vec<String>) -> usize {
-    let mgmt = mgmt.to_owned();
-    tokio::task::spawn_blocking(move || {
-        let mut closed = 0;
-        for n in names {
-            let url = format!("{mgmt}/api/connections/{}", mgmt::pct(&n));
-            match ureq::delete(&url)
-                .header("Authorization", &mgmt::auth())
-                .header("X-Reason", "reliability suite: forced close")
-                .call()
-            {
-                Ok(_) => closed += 1,
-                Err(ureq::Error::StatusCode(404)) => {}
-                Err(e) => panic!("DELETE {url}: {e}"),
-            }
-        }
-        closed
+    let client = mgmt::Client::new(mgmt);
+    mgmt::blocking(move || {
+        names
+            .iter()
+            .map(|n| client.close_connection(n).unwrap_or_else(|e| panic!("{e}")))
+            .filter(|closed| *closed)
+            .count()
     })
     .await
-    .expect("management API task")
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1056,9 +995,13 @@ pub async fn close_connections(mgmt: &str, names: Vec<String>) -> usize {
 /// Extra RabbitMQ nodes started by `scripts/cluster.sh` (a dedicated single node, or the
 /// 3-node cluster), so disruptive faults never touch the default broker other suites use.
 pub struct Nodes {
+    /// Node (or cluster) name given to `scripts/cluster.sh`.
     pub name: String,
+    /// Number of nodes.
     pub count: u32,
+    /// AMQP port of node 1; node i listens on `base_port + i - 1`.
     pub base_port: u16,
+    /// Whether the nodes run the management plugin.
     pub management: bool,
     /// True when this value started them (and so stops them when dropped).
     owned: bool,
@@ -1066,7 +1009,7 @@ pub struct Nodes {
 
 impl Nodes {
     fn script_path() -> PathBuf {
-        Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/cluster.sh")
+        workspace_root().join("scripts/cluster.sh")
     }
 
     fn command(&self, args: &[&str]) -> Command {
@@ -1132,6 +1075,7 @@ impl Nodes {
         nodes
     }
 
+    /// AMQP URL of node `i` (1-based).
     pub fn amqp_url(&self, i: u32) -> String {
         format!(
             "amqp://guest:guest@127.0.0.1:{}/%2f",
@@ -1139,6 +1083,7 @@ impl Nodes {
         )
     }
 
+    /// Management API base URL of node `i` (1-based).
     pub fn mgmt_url(&self, i: u32) -> String {
         format!(
             "http://127.0.0.1:{}",
@@ -1146,6 +1091,7 @@ impl Nodes {
         )
     }
 
+    /// Erlang node name of node `i` (1-based).
     pub fn node_name(&self, i: u32) -> String {
         format!("{}-{i}@localhost", self.name)
     }

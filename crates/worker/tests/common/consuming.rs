@@ -1,0 +1,21 @@
+//! Running a worker in the background of a test.
+
+/// Runs the worker `builder` makes until `token` is cancelled, once it consumes: its status
+/// handle and its task. Panics when it does not consume within 20 s.
+pub async fn run_consuming(
+    builder: redeliver_worker::WorkerBuilder,
+    token: &redeliver_worker::CancellationToken,
+) -> (
+    redeliver_worker::WorkerStatus,
+    tokio::task::JoinHandle<Result<(), redeliver_worker::WorkerError>>,
+) {
+    let mut status = builder.status_handle();
+    let run = tokio::spawn(builder.run(token.clone()));
+    status
+        .wait_for_timeout(std::time::Duration::from_secs(20), |s| {
+            *s == redeliver_worker::WorkerState::Consuming
+        })
+        .await
+        .expect("the worker never started consuming");
+    (status, run)
+}
