@@ -122,7 +122,7 @@ fn kubernetes_deployment_has_probes_grace_limits_and_env() {
 /// it sets are the ones the worker reads, and every mount has its volume.
 #[test]
 fn kubernetes_tls_patch_mounts_the_ca_and_the_url_from_secrets() {
-    let doc = load("compose/kubernetes/tls.patch.yaml");
+    let doc = load("compose/kubernetes/patches/tls.patch.yaml");
     let spec = &doc["spec"]["template"]["spec"];
     let container = &spec["containers"][0];
     assert_eq!(container["name"].as_str(), Some("worker"));
