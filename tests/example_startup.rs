@@ -90,7 +90,12 @@ async fn the_example_waits_for_the_broker_instead_of_exiting() {
     // Several seconds of failed connection attempts: alive, not ready, still running.
     let outage_end = Instant::now() + Duration::from_secs(3);
     while Instant::now() < outage_end {
-        assert_eq!(get(health, "/livez").await.0, 200, "{}", worker.log_tail(20));
+        assert_eq!(
+            get(health, "/livez").await.0,
+            200,
+            "{}",
+            worker.log_tail(20)
+        );
         let (code, body) = get(health, "/readyz").await;
         assert_eq!(code, 503, "ready without a broker: {body}");
         assert!(
@@ -107,8 +112,11 @@ async fn the_example_waits_for_the_broker_instead_of_exiting() {
     let conn = connect().await;
     let queue = format!("{prefix}images");
     let ch = conn.create_channel().await.expect("channel");
-    ch.confirm_select(Default::default()).await.expect("confirms");
-    let job = br#"{"id": 1, "url": "https://example.invalid/a.png", "width": 64, "fail_rate": 0.0}"#;
+    ch.confirm_select(Default::default())
+        .await
+        .expect("confirms");
+    let job =
+        br#"{"id": 1, "url": "https://example.invalid/a.png", "width": 64, "fail_rate": 0.0}"#;
     ch.basic_publish(
         "".into(),
         queue.as_str().into(),
@@ -129,8 +137,16 @@ async fn the_example_waits_for_the_broker_instead_of_exiting() {
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    assert!(consumed, "the job was not consumed: {}", worker.log_tail(30));
-    assert!(worker.is_running(), "the worker stopped: {}", worker.log_tail(30));
+    assert!(
+        consumed,
+        "the job was not consumed: {}",
+        worker.log_tail(30)
+    );
+    assert!(
+        worker.is_running(),
+        "the worker stopped: {}",
+        worker.log_tail(30)
+    );
 
     let status = worker.terminate(Duration::from_secs(30)).await;
     assert!(status.contains("exit status: 0"), "{status}");

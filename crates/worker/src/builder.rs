@@ -45,6 +45,7 @@ type TopologyMap = Box<dyn FnOnce(Topology) -> Topology + Send>;
 /// | [`reconnect_backoff`](Self::reconnect_backoff) | exponential 100 ms × 2 up to 30 s, full jitter |
 /// | [`requeue_limit`](Self::requeue_limit) | 10 requeues, each after a 1 s pause |
 /// | [`max_message_size`](Self::max_message_size) | the broker version's default `max_message_size` (16 MiB from RabbitMQ 4.0, 128 MiB before) |
+/// | [`confirm_timeout`](Self::confirm_timeout) | 30 s |
 /// | [`dead_letter_mode`](Self::dead_letter_mode) | [`DeadLetterMode::Reject`] |
 /// | [`tls`](Self::tls) | the system's root certificates, password login |
 ///
@@ -273,6 +274,18 @@ impl WorkerBuilder {
     /// Set it when the broker's `max_message_size` is not its version's default.
     pub fn max_message_size(mut self, bytes: usize) -> Self {
         self.settings.max_message_size = Some(bytes);
+        self
+    }
+
+    /// How long the worker waits for the broker to confirm a copy it publishes (a retry copy, a
+    /// repaired copy, an annotated dead letter), and for the broker to unblock its publishing
+    /// connection during a resource alarm, before it gives the original back to the queue (as
+    /// when the copy is refused). Copies go out on a connection of their own, so a blocked
+    /// publish never holds up the acks of successful deliveries. Requeues while the broker
+    /// blocks the connection do not count toward the [`requeue_limit`](Self::requeue_limit):
+    /// an alarm is not the message's fault.
+    pub fn confirm_timeout(mut self, d: Duration) -> Self {
+        self.settings.confirm_timeout = d;
         self
     }
 

@@ -15,6 +15,7 @@
 //! | `REDELIVER_CONCURRENCY` | [`concurrency`](WorkerBuilder::concurrency) | integer ≥ 1 |
 //! | `REDELIVER_GRACE_PERIOD` | [`shutdown_grace`](WorkerBuilder::shutdown_grace) | a duration: `25s`, `500ms`, `1m 30s` |
 //! | `REDELIVER_HANDLER_TIMEOUT` | [`handler_timeout`](WorkerBuilder::handler_timeout) | a duration; `0s` = none |
+//! | `REDELIVER_CONFIRM_TIMEOUT` | [`confirm_timeout`](WorkerBuilder::confirm_timeout) | a duration |
 //! | `REDELIVER_VERIFY_ONLY` | [`verify_only`](WorkerBuilder::verify_only) | `true`/`false` (`1`/`0`, `yes`/`no`) |
 //! | `REDELIVER_DEAD_LETTER_MODE` | [`dead_letter_mode`](WorkerBuilder::dead_letter_mode) | `reject` or `annotate` ([`DeadLetterMode`](crate::DeadLetterMode)) |
 //! | `REDELIVER_CONNECTION_NAME` | [`connection_name`](WorkerBuilder::connection_name) | text |
@@ -95,6 +96,8 @@ pub const VERIFY_ONLY: &str = "REDELIVER_VERIFY_ONLY";
 pub const CONNECTION_NAME: &str = "REDELIVER_CONNECTION_NAME";
 /// `REDELIVER_MAX_RETRIES`: retries per message before dead-lettering.
 pub const MAX_RETRIES: &str = "REDELIVER_MAX_RETRIES";
+/// `REDELIVER_CONFIRM_TIMEOUT`: longest wait for a copy's confirm.
+pub const CONFIRM_TIMEOUT: &str = "REDELIVER_CONFIRM_TIMEOUT";
 /// `REDELIVER_RETRY_BASE`: first backoff delay.
 pub const RETRY_BASE: &str = "REDELIVER_RETRY_BASE";
 /// `REDELIVER_RETRY_CAP`: largest backoff delay.
@@ -122,6 +125,7 @@ pub const VARIABLES: &[&str] = &[
     CONCURRENCY,
     GRACE_PERIOD,
     HANDLER_TIMEOUT,
+    CONFIRM_TIMEOUT,
     VERIFY_ONLY,
     CONNECTION_NAME,
     MAX_RETRIES,
@@ -448,6 +452,13 @@ impl WorkerBuilder {
         if let Some(d) = parse(HANDLER_TIMEOUT, var(HANDLER_TIMEOUT)?, duration)? {
             s.handler_timeout = (!d.is_zero()).then_some(d);
         }
+        let positive = |v: &str| match duration(v)? {
+            d if d.is_zero() => Err("expected a positive duration, like 30s".to_owned()),
+            d => Ok(d),
+        };
+        if let Some(d) = parse(CONFIRM_TIMEOUT, var(CONFIRM_TIMEOUT)?, positive)? {
+            s.confirm_timeout = d;
+        }
         if let Some(v) = parse(VERIFY_ONLY, var(VERIFY_ONLY)?, boolean)? {
             s.verify_only = v;
         }
@@ -575,6 +586,7 @@ mod tests {
             (PREFETCH, "64"),
             (CONCURRENCY, "16"),
             (GRACE_PERIOD, "20s"),
+            (CONFIRM_TIMEOUT, "5s"),
             (HANDLER_TIMEOUT, "1500ms"),
             (VERIFY_ONLY, "yes"),
             (CONNECTION_NAME, "pod-1"),
@@ -601,6 +613,7 @@ mod tests {
         assert_eq!(s.prefetch(), Some(64));
         assert_eq!(s.concurrency(), 16);
         assert_eq!(s.shutdown_grace(), Duration::from_secs(20));
+        assert_eq!(s.confirm_timeout(), Duration::from_secs(5));
         assert_eq!(s.handler_timeout(), Some(Duration::from_millis(1500)));
         assert!(s.verify_only());
         assert_eq!(s.connection_name(), Some("pod-1"));

@@ -199,6 +199,10 @@ fn describe_worker_metrics() {
     );
     metrics::describe_counter!(m::RECONNECTS, "Connections re-established after a loss.");
     metrics::describe_gauge!(
+        m::CONNECTION_BLOCKED,
+        "1 while the broker blocks the publishing connection (resource alarm)."
+    );
+    metrics::describe_gauge!(
         m::DELAY_UNROUTABLE_MESSAGES,
         "Messages parked in the delay infrastructure's unroutable queue."
     );
@@ -476,7 +480,12 @@ async fn readyz(State(state): State<AppState>) -> Response {
         .iter()
         .map(|w| {
             let s = w.state();
-            serde_json::json!({ "queue": w.queue(), "state": s.as_str(), "ready": w.is_ready() })
+            serde_json::json!({
+                "queue": w.queue(),
+                "state": s.as_str(),
+                "blocked": w.is_blocked(),
+                "ready": w.is_ready(),
+            })
         })
         .collect();
     // Not ready without workers: a server started before registering any must not receive

@@ -102,6 +102,7 @@ pub mod health;
 mod meters;
 pub mod metrics_names;
 mod outcome;
+mod publishing;
 mod requeue;
 mod runtime;
 mod session;

@@ -17,6 +17,7 @@
 //! | [`HANDLER_DURATION`] | histogram (seconds) | `queue` |
 //! | [`HANDLERS_IN_FLIGHT`] | gauge | `queue` |
 //! | [`CONNECTION_STATE`] | gauge, 1 for the current state | `queue`, `state` |
+//! | [`CONNECTION_BLOCKED`] | gauge | `queue` |
 //! | [`RECONNECTS`] | counter | `queue` |
 //! | [`DELAY_UNROUTABLE_MESSAGES`] | gauge | `parking_queue` |
 
@@ -52,6 +53,9 @@ pub const HANDLERS_IN_FLIGHT: &str = "redeliver_handlers_in_flight";
 /// The worker's state, one series per state (label [`LABEL_STATE`], the lower-case
 /// [`WorkerState`](crate::WorkerState) name): 1 for the current state, 0 for the others.
 pub const CONNECTION_STATE: &str = "redeliver_connection_state";
+/// 1 while the broker blocks the worker's publishing connection (a memory or disk alarm), 0
+/// otherwise.
+pub const CONNECTION_BLOCKED: &str = "redeliver_connection_blocked";
 /// Connections re-established after a loss (counted when the worker consumes again, not when it
 /// loses the connection).
 pub const RECONNECTS: &str = "redeliver_reconnects_total";

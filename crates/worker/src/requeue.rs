@@ -57,6 +57,11 @@ impl RequeueLedger {
         1
     }
 
+    /// Requeues of `key` so far.
+    pub(crate) fn count(&self, key: u64) -> u32 {
+        self.counts.get(&key).copied().unwrap_or(0)
+    }
+
     /// Forgets `key` (the message left the queue for good).
     pub(crate) fn forget(&mut self, key: u64) {
         if self.counts.remove(&key).is_some() {

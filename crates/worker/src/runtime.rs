@@ -106,7 +106,10 @@ impl Worker {
     /// `Ok(())` on a clean stop; an error only for what reconnecting cannot fix (see
     /// [`WorkerError`]).
     pub async fn run(self, token: CancellationToken) -> Result<(), WorkerError> {
-        let shared = Arc::new(Shared::new(Arc::clone(&self.config)));
+        let shared = Arc::new(Shared::new(
+            Arc::clone(&self.config),
+            self.status.blocked_flag(),
+        ));
         let result = reconnect_loop(&shared, &self.status, &token).await;
         if result.is_err() {
             // A fatal error while handlers of an earlier connection still run: let them end.

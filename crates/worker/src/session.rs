@@ -20,8 +20,10 @@ use crate::delivery;
 use crate::error::WorkerError;
 use crate::meters::Meters;
 use crate::metrics_names as m;
+use crate::publishing::Publishing;
 use crate::settle::{Link, Rules};
 use crate::shared::Shared;
+use crate::status::BlockedFlag;
 
 /// Bound on each broker call made while shutting down, so a dead broker cannot stall the exit.
 const CLOSE_TIMEOUT: Duration = Duration::from_secs(5);
@@ -44,6 +46,8 @@ pub(crate) struct Session {
     consumer: Consumer,
     events: futures::stream::BoxStream<'static, Event>,
     unroutable_poll: tokio::task::JoinHandle<()>,
+    /// Forwards the publishing connection's blocked state to the worker's status.
+    blocked: tokio::task::JoinHandle<()>,
 }
 
 impl Session {
@@ -78,7 +82,7 @@ impl Session {
                 None
             }
         };
-        match Self::setup(worker, &connection, server).await {
+        match Self::setup(worker, url, &connection, server).await {
             Ok(session) => Ok(session),
             Err(e) => {
                 close_connection(&connection, "setup failed").await;
@@ -89,6 +93,7 @@ impl Session {
 
     async fn setup(
         worker: &Arc<Shared>,
+        url: &BrokerUrl,
         connection: &Arc<Connection>,
         server: Option<ServerInfo>,
     ) -> Result<Session, WorkerError> {
@@ -125,15 +130,28 @@ impl Session {
             .await?;
         let meters = Meters::new(&config.queue);
         let acks = AckSender::spawn(channel.clone(), meters.clone(), config.prefetch);
-        let link = Link::open(
-            Arc::clone(connection),
+        let publishing = Publishing::shared(url, &settings.tls, &config.connection_name);
+        let blocked = tokio::spawn(forward_blocked(
+            publishing.blocked(),
+            worker.blocked.clone(),
+        ));
+        let link = match Link::open(
+            publishing,
             delay.clone(),
             max_message_size,
+            settings.confirm_timeout,
             acks,
             rules,
             meters,
         )
-        .await?;
+        .await
+        {
+            Ok(link) => link,
+            Err(e) => {
+                blocked.abort();
+                return Err(e.into());
+            }
+        };
         let events = connection.events_listener().boxed();
         let consumer = channel
             .basic_consume(
@@ -154,6 +172,7 @@ impl Session {
             consumer,
             events,
             unroutable_poll,
+            blocked,
         })
     }
 
@@ -224,6 +243,7 @@ impl Session {
     /// but their settlements fail and are counted: the broker redelivers those messages.
     async fn teardown(self) {
         self.unroutable_poll.abort();
+        self.blocked.abort();
         close_connection(&self.connection, "connection lost, reconnecting").await;
     }
 
@@ -256,6 +276,7 @@ impl Session {
             warn!(queue = %queue, "flushing the last acks timed out");
         }
         self.unroutable_poll.abort();
+        self.blocked.abort();
         if self.channel.status().connected() {
             if let Ok(Err(e)) = tokio::time::timeout(
                 CLOSE_TIMEOUT,
@@ -312,6 +333,17 @@ async fn poll_unroutable(connection: Arc<Connection>, name: String) {
         }
         if channel.status().connected() {
             let _ = channel.close(200, "done".into()).await;
+        }
+    }
+}
+
+/// Keeps the worker's blocked flag (readiness, metric) in step with the publishing connection.
+async fn forward_blocked(mut rx: tokio::sync::watch::Receiver<bool>, flag: BlockedFlag) {
+    loop {
+        flag.set(*rx.borrow_and_update());
+        if rx.changed().await.is_err() {
+            flag.set(false);
+            return;
         }
     }
 }

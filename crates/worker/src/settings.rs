@@ -81,6 +81,7 @@ pub struct Settings {
     pub(crate) reconnect_jitter: Jitter,
     pub(crate) requeue_limit: u32,
     pub(crate) max_message_size: Option<usize>,
+    pub(crate) confirm_timeout: Duration,
     pub(crate) tls: TlsConfig,
     pub(crate) dead_letter_mode: DeadLetterMode,
 }
@@ -111,6 +112,7 @@ impl Settings {
             reconnect_jitter: Jitter::Full,
             requeue_limit: DEFAULT_REQUEUE_LIMIT,
             max_message_size: None,
+            confirm_timeout: Duration::from_secs(30),
             tls: TlsConfig::new(),
             dead_letter_mode: DeadLetterMode::Reject,
         }
@@ -196,6 +198,11 @@ impl Settings {
         self.max_message_size
     }
 
+    /// How long a copy's publish may wait for the broker's confirm.
+    pub fn confirm_timeout(&self) -> Duration {
+        self.confirm_timeout
+    }
+
     /// TLS settings for `amqps://` URLs.
     pub fn tls(&self) -> &TlsConfig {
         &self.tls
@@ -235,6 +242,7 @@ impl fmt::Debug for Settings {
             .field("reconnect_jitter", &self.reconnect_jitter)
             .field("requeue_limit", &self.requeue_limit)
             .field("max_message_size", &self.max_message_size)
+            .field("confirm_timeout", &self.confirm_timeout)
             .field("tls", &self.tls)
             .field("dead_letter_mode", &self.dead_letter_mode)
             .finish()

@@ -11,14 +11,14 @@
 //! - once the delivery's channel is gone nothing is sent: the broker redelivers the original, so a
 //!   copy would only be a duplicate.
 
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use lapin::message::Delivery;
 use lapin::options::BasicRejectOptions;
 use lapin::types::FieldTable;
 use lapin::Acker;
-use lapin::{BasicProperties, Connection};
+use lapin::BasicProperties;
 use redeliver_amqp::headers::{self, RetryState};
 use redeliver_amqp::DelayConfig;
 use redeliver_amqp::{PublishError, Publisher};
@@ -29,6 +29,7 @@ use crate::acks::AckSender;
 use crate::meters::Meters;
 use crate::metrics_names as m;
 use crate::outcome::{self, Outcome, Settled};
+use crate::publishing::Publishing;
 use crate::requeue::{self, RequeueLedger};
 use crate::settings::DeadLetterMode;
 
@@ -53,7 +54,7 @@ pub(crate) trait Broker {
         delay: Duration,
         body: &[u8],
         props: BasicProperties,
-    ) -> Result<(), PublishError>;
+    ) -> Result<(), CopyError>;
     /// Publishes a copy (mandatory) and waits for the confirm.
     async fn publish(
         &self,
@@ -61,7 +62,50 @@ pub(crate) trait Broker {
         routing_key: &str,
         body: &[u8],
         props: BasicProperties,
-    ) -> Result<(), PublishError>;
+    ) -> Result<(), CopyError>;
+}
+
+/// Why a copy was not confirmed.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum CopyError {
+    /// The publisher refused it, or the broker nacked or returned it.
+    #[error(transparent)]
+    Publish(#[from] PublishError),
+    /// No confirm within the confirm timeout.
+    #[error("no confirm from the broker within {0:?}")]
+    Timeout(Duration),
+    /// The broker blocked the publishing connection (a resource alarm) for longer than the
+    /// confirm timeout, or while the copy waited for its confirm.
+    #[error("the broker blocks the publishing connection (resource alarm); waited {0:?}")]
+    Blocked(Duration),
+    /// The publishing connection or its channel could not be (re)opened.
+    #[error(transparent)]
+    Open(#[from] OpenError),
+}
+
+/// Why the publisher could not be (re)opened.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum OpenError {
+    #[error("publishing connection: {0}")]
+    Connect(#[from] redeliver_amqp::ConnectError),
+    #[error(transparent)]
+    Publish(#[from] PublishError),
+}
+
+impl From<OpenError> for crate::WorkerError {
+    fn from(e: OpenError) -> Self {
+        match e {
+            OpenError::Connect(e) => crate::WorkerError::Connect(e),
+            OpenError::Publish(e) => crate::WorkerError::Publisher(e),
+        }
+    }
+}
+
+impl CopyError {
+    /// Not the message's fault: its requeue does not count toward the requeue limit.
+    fn is_blocked(&self) -> bool {
+        matches!(self, CopyError::Blocked(_))
+    }
 }
 
 /// The settling rules of one session: the worker's settings and what the broker said.
@@ -149,7 +193,7 @@ impl<B: Broker> Settle<'_, B> {
             }
             Outcome::Repair(headers) => Box::pin(self.repair(headers)).await,
             Outcome::Requeue { reason, error } => {
-                Box::pin(self.requeue_bounded(reason, true, &error)).await
+                Box::pin(self.requeue_bounded(reason, true, &error, true)).await
             }
             Outcome::Abandon => Settled::Abandoned,
         }
@@ -197,7 +241,7 @@ impl<B: Broker> Settle<'_, B> {
                 );
                 self.ack_replaced("retry")
             }
-            Err(e @ PublishError::TooLarge { .. }) => {
+            Err(CopyError::Publish(e @ PublishError::TooLarge { .. })) => {
                 // The same copy will never fit: no requeue, no retry.
                 let error = format!("{error} (retry copy refused: {e})");
                 self.dead_letter(m::REASON_TOO_LARGE, &error).await
@@ -210,7 +254,7 @@ impl<B: Broker> Settle<'_, B> {
                     handler_error = %error,
                     "retry copy not confirmed by the broker; requeueing the original"
                 );
-                self.requeue_bounded(m::REASON_RETRY_UNCONFIRMED, true, &e)
+                self.requeue_bounded(m::REASON_RETRY_UNCONFIRMED, true, &e, !e.is_blocked())
                     .await
             }
         }
@@ -260,10 +304,12 @@ impl<B: Broker> Settle<'_, B> {
             }
             // The body is the one the broker accepted and headers do not count, so only a
             // broker whose limit was lowered since refuses it: it can still move the original.
-            Err(PublishError::TooLarge { .. }) => self.reject_to_dlx(reason, error).await,
+            Err(CopyError::Publish(PublishError::TooLarge { .. })) => {
+                self.reject_to_dlx(reason, error).await
+            }
             Err(e) => {
                 error!(message_id = %msg.message_id, error = %e, reason, "dead letter not confirmed by the broker; requeueing the original");
-                self.requeue_bounded(m::REASON_DEAD_LETTER_UNCONFIRMED, true, &e)
+                self.requeue_bounded(m::REASON_DEAD_LETTER_UNCONFIRMED, true, &e, !e.is_blocked())
                     .await
             }
         }
@@ -326,6 +372,7 @@ impl<B: Broker> Settle<'_, B> {
                     m::REASON_REPAIR_UNCONFIRMED,
                     self.rules.dead_letters_malformed_x_death,
                     &e,
+                    !e.is_blocked(),
                 )
                 .await
             }
@@ -355,15 +402,21 @@ impl<B: Broker> Settle<'_, B> {
     /// Gives a message whose replacement copy was not confirmed back to its queue, unless this
     /// worker already did so `requeue_limit` times: then, where `may_dead_letter`, it is
     /// dead-lettered instead (RabbitMQ 4.3 no longer counts requeues toward the delivery limit,
-    /// and a classic queue never did, so nothing else would end the cycle).
+    /// and a classic queue never did, so nothing else would end the cycle). A requeue that does
+    /// not `count` (the broker blocked publishing) leaves the tally as it was.
     async fn requeue_bounded(
         &self,
         reason: &'static str,
         may_dead_letter: bool,
         cause: &(dyn std::fmt::Display + Sync),
+        count: bool,
     ) -> Settled {
         let key = self.message.identity();
-        let count = requeue::lock(self.requeues).record(key);
+        let count = if count {
+            requeue::lock(self.requeues).record(key)
+        } else {
+            requeue::lock(self.requeues).count(key)
+        };
         let limit = self.rules.requeue_limit;
         if count > limit && may_dead_letter {
             requeue::lock(self.requeues).forget(key);
@@ -410,41 +463,46 @@ impl<B: Broker> Settle<'_, B> {
 }
 
 /// The session's side of settling: the consumer channel's batched acks, the confirmed
-/// publisher, and the rules.
+/// publisher on the publishing connection, and the rules.
 pub(crate) struct Link {
-    pub(crate) connection: std::sync::Arc<Connection>,
-    pub(crate) delay: DelayConfig,
-    publisher: tokio::sync::Mutex<Publisher>,
+    publishing: Arc<Publishing>,
+    delay: DelayConfig,
+    publisher: tokio::sync::Mutex<Option<Publisher>>,
     /// Largest body the publisher sends (the builder's, or the broker version's default).
     max_message_size: Option<usize>,
+    confirm_timeout: Duration,
     /// Acks of the consumer channel (batched); rejects go through each delivery's acker.
     pub(crate) acks: AckSender,
     pub(crate) rules: Rules,
     pub(crate) meters: Meters,
     /// The queue's name, shared with every handler's [`Context`](crate::Context) without a copy.
-    pub(crate) queue: std::sync::Arc<str>,
+    pub(crate) queue: Arc<str>,
 }
 
 impl Link {
+    /// Opens the publisher on `publishing` (its connection opened if needed).
     pub(crate) async fn open(
-        connection: std::sync::Arc<Connection>,
+        publishing: Arc<Publishing>,
         delay: DelayConfig,
         max_message_size: Option<usize>,
+        confirm_timeout: Duration,
         acks: AckSender,
         rules: Rules,
         meters: Meters,
-    ) -> Result<Self, PublishError> {
-        let publisher = new_publisher(&connection, &delay, max_message_size).await?;
-        Ok(Self {
-            connection,
+    ) -> Result<Self, OpenError> {
+        let link = Self {
+            publishing,
             delay,
-            publisher: tokio::sync::Mutex::new(publisher),
+            publisher: tokio::sync::Mutex::new(None),
             max_message_size,
+            confirm_timeout,
             acks,
-            queue: std::sync::Arc::from(rules.queue.as_str()),
+            queue: Arc::from(rules.queue.as_str()),
             rules,
             meters,
-        })
+        };
+        link.publisher().await?;
+        Ok(link)
     }
 
     /// The broker side of settling `delivery`, which came on this session's consumer channel.
@@ -456,30 +514,58 @@ impl Link {
         }
     }
 
-    /// The confirm-mode publisher, reopened if its channel was closed (a soft error closes a
-    /// channel and lapin does not reopen it) while the connection is still up.
-    async fn publisher(&self) -> Result<Publisher, PublishError> {
+    /// The confirm-mode publisher, reopened if its channel or connection was closed (a soft
+    /// error closes a channel and lapin does not reopen it).
+    async fn publisher(&self) -> Result<Publisher, OpenError> {
         let mut current = self.publisher.lock().await;
-        if current.channel().status().connected() {
-            return Ok(current.clone());
+        if let Some(p) = current
+            .as_ref()
+            .filter(|p| p.channel().status().connected())
+        {
+            return Ok(p.clone());
         }
-        let fresh = new_publisher(&self.connection, &self.delay, self.max_message_size).await?;
-        debug!("reopened the publisher channel");
-        *current = fresh.clone();
-        Ok(fresh)
+        let connection = self.publishing.connection().await?;
+        let p = Publisher::new(&connection, self.delay.clone()).await?;
+        let p = match self.max_message_size {
+            Some(n) => p.with_max_message_size(n),
+            None => p,
+        };
+        if current.is_some() {
+            debug!("reopened the publisher channel");
+        }
+        *current = Some(p.clone());
+        Ok(p)
     }
-}
 
-async fn new_publisher(
-    connection: &Connection,
-    delay: &DelayConfig,
-    max_message_size: Option<usize>,
-) -> Result<Publisher, PublishError> {
-    let p = Publisher::new(connection, delay.clone()).await?;
-    Ok(match max_message_size {
-        Some(n) => p.with_max_message_size(n),
-        None => p,
-    })
+    /// Publishes with `send` once the broker does not block the publishing connection, within
+    /// the confirm timeout.
+    async fn confirmed<F>(&self, send: impl FnOnce(Publisher) -> F) -> Result<(), CopyError>
+    where
+        F: std::future::Future<Output = Result<(), PublishError>>,
+    {
+        let started = tokio::time::Instant::now();
+        let mut blocked = self.publishing.blocked();
+        // Waiting here, not in a publish whose frames sit in the socket: the broker would read
+        // them after the alarm and route a copy whose original was already given back.
+        if *blocked.borrow() {
+            let unblocked = blocked.wait_for(|b| !*b);
+            if tokio::time::timeout(self.confirm_timeout, unblocked)
+                .await
+                .is_err()
+            {
+                return Err(CopyError::Blocked(started.elapsed()));
+            }
+        }
+        let publisher = self.publisher().await?;
+        let left = self.confirm_timeout.saturating_sub(started.elapsed());
+        match tokio::time::timeout(left, send(publisher)).await {
+            Ok(result) => result.map_err(CopyError::from),
+            Err(_) if *self.publishing.blocked().borrow() => {
+                Err(CopyError::Blocked(started.elapsed()))
+            }
+            Err(_) => Err(CopyError::Timeout(self.confirm_timeout)),
+        }
+    }
 }
 
 /// [`Broker`] on lapin: the delivery's own acker (tags belong to their channel, so a delivery of
@@ -516,11 +602,9 @@ impl Broker for LapinBroker<'_> {
         delay: Duration,
         body: &[u8],
         props: BasicProperties,
-    ) -> Result<(), PublishError> {
+    ) -> Result<(), CopyError> {
         self.link
-            .publisher()
-            .await?
-            .publish_delayed(queue, delay, body, props)
+            .confirmed(|p| async move { p.publish_delayed(queue, delay, body, props).await })
             .await
     }
 
@@ -530,11 +614,9 @@ impl Broker for LapinBroker<'_> {
         routing_key: &str,
         body: &[u8],
         props: BasicProperties,
-    ) -> Result<(), PublishError> {
+    ) -> Result<(), CopyError> {
         self.link
-            .publisher()
-            .await?
-            .publish_copy(exchange, routing_key, body, props)
+            .confirmed(|p| async move { p.publish_copy(exchange, routing_key, body, props).await })
             .await
     }
 }
@@ -573,7 +655,7 @@ mod tests {
     struct FakeBroker {
         calls: StdMutex<Vec<Call>>,
         props: StdMutex<Vec<BasicProperties>>,
-        publish_results: StdMutex<VecDeque<Result<(), PublishError>>>,
+        publish_results: StdMutex<VecDeque<Result<(), CopyError>>>,
         open: StdMutex<bool>,
         close_after_publish: bool,
         reject_result: fn() -> Result<bool, lapin::Error>,
@@ -593,6 +675,15 @@ mod tests {
 
         fn answering(results: impl IntoIterator<Item = Result<(), PublishError>>) -> Self {
             let b = Self::new();
+            b.publish_results
+                .lock()
+                .unwrap()
+                .extend(results.into_iter().map(|r| r.map_err(CopyError::from)));
+            b
+        }
+
+        fn answering_copy(results: impl IntoIterator<Item = Result<(), CopyError>>) -> Self {
+            let b = Self::new();
             b.publish_results.lock().unwrap().extend(results);
             b
         }
@@ -609,7 +700,7 @@ mod tests {
                 .expect("a publish with headers")
         }
 
-        fn published(&self, props: BasicProperties) -> Result<(), PublishError> {
+        fn published(&self, props: BasicProperties) -> Result<(), CopyError> {
             self.props.lock().unwrap().push(props);
             if self.close_after_publish {
                 *self.open.lock().unwrap() = false;
@@ -649,7 +740,7 @@ mod tests {
             delay: Duration,
             _body: &[u8],
             props: BasicProperties,
-        ) -> Result<(), PublishError> {
+        ) -> Result<(), CopyError> {
             self.calls.lock().unwrap().push(Call::PublishDelayed {
                 queue: queue.to_owned(),
                 delay,
@@ -663,7 +754,7 @@ mod tests {
             routing_key: &str,
             _body: &[u8],
             props: BasicProperties,
-        ) -> Result<(), PublishError> {
+        ) -> Result<(), CopyError> {
             self.calls.lock().unwrap().push(Call::Publish {
                 exchange: exchange.to_owned(),
                 routing_key: routing_key.to_owned(),
@@ -860,6 +951,24 @@ mod tests {
         f.run(&FakeBroker::new(), retry(10)).await;
         let b = FakeBroker::answering([Err(nacked())]);
         assert_eq!(f.run(&b, retry(10)).await, Settled::Requeued);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn requeues_while_the_broker_blocks_publishing_do_not_count() {
+        let f = Fixture::new(DeadLetterMode::Reject);
+        // Far more than the limit of 2: an alarm never sends a message to the DLQ.
+        for _ in 0..6 {
+            let b = FakeBroker::answering_copy([Err(CopyError::Blocked(Duration::from_secs(30)))]);
+            assert_eq!(f.run(&b, retry(10)).await, Settled::Requeued);
+            assert_eq!(b.calls().last(), Some(&Call::Reject { requeue: true }));
+        }
+        // A confirm timeout outside an alarm counts like a nack.
+        for _ in 0..2 {
+            let b = FakeBroker::answering_copy([Err(CopyError::Timeout(Duration::from_secs(30)))]);
+            assert_eq!(f.run(&b, retry(10)).await, Settled::Requeued);
+        }
+        let b = FakeBroker::answering_copy([Err(CopyError::Timeout(Duration::from_secs(30)))]);
+        assert_eq!(f.run(&b, retry(10)).await, Settled::DeadLettered);
     }
 
     #[tokio::test]

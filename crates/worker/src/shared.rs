@@ -12,6 +12,7 @@ use tracing::{info, warn};
 
 use crate::requeue::RequeueLedger;
 use crate::settings::Resolved;
+use crate::status::BlockedFlag;
 
 /// Time allowed, after the grace period, for abandoned handlers to unwind and for settling the
 /// ones that just finished, before the channel is closed regardless.
@@ -27,11 +28,14 @@ pub(crate) struct Shared {
     pub(crate) hard_stop: CancellationToken,
     /// The worker's own requeues per message, bounded by the requeue limit.
     pub(crate) requeues: Mutex<RequeueLedger>,
+    /// [`WorkerStatus::is_blocked`](crate::WorkerStatus::is_blocked), set by the sessions.
+    pub(crate) blocked: BlockedFlag,
 }
 
 impl Shared {
-    pub(crate) fn new(config: Arc<Resolved>) -> Self {
+    pub(crate) fn new(config: Arc<Resolved>, blocked: BlockedFlag) -> Self {
         Self {
+            blocked,
             semaphore: Arc::new(Semaphore::new(config.settings.concurrency)),
             tracker: TaskTracker::new(),
             draining: CancellationToken::new(),

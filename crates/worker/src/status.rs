@@ -1,7 +1,7 @@
 //! Readiness of a worker, observable from outside its task (health endpoints, tests).
 
 use std::fmt;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
@@ -80,6 +80,7 @@ pub struct WorkerStatus {
     rx: watch::Receiver<WorkerState>,
     queue: Arc<OnceLock<String>>,
     broker: Arc<AtomicUsize>,
+    blocked: Arc<AtomicBool>,
 }
 
 /// [`WorkerStatus::broker`] before the first connection.
@@ -92,9 +93,18 @@ impl WorkerStatus {
     }
 
     /// True only while the worker is connected and consuming (not while connecting, reconnecting
-    /// or draining): what a Kubernetes readiness probe should report.
+    /// or draining) and the broker does not block its publishing connection: what a Kubernetes
+    /// readiness probe should report.
     pub fn is_ready(&self) -> bool {
-        self.state() == WorkerState::Consuming
+        self.state() == WorkerState::Consuming && !self.is_blocked()
+    }
+
+    /// True while the broker blocks the worker's publishing connection (a memory or disk alarm):
+    /// deliveries that succeed are still acked, retries and annotated dead letters wait (at most
+    /// the [confirm timeout](crate::WorkerBuilder::confirm_timeout), then their originals go back
+    /// to the queue).
+    pub fn is_blocked(&self) -> bool {
+        self.blocked.load(Ordering::Acquire)
     }
 
     /// Full name of the queue this worker consumes (prefix included), for labelling; `None` until
@@ -149,6 +159,23 @@ pub(crate) struct StatusSender {
     tx: watch::Sender<WorkerState>,
     queue: Arc<OnceLock<String>>,
     broker: Arc<AtomicUsize>,
+    blocked: Arc<AtomicBool>,
+}
+
+/// The write side of [`WorkerStatus::is_blocked`], for the sessions of a running worker.
+#[derive(Clone, Debug)]
+pub(crate) struct BlockedFlag {
+    blocked: Arc<AtomicBool>,
+    queue: Arc<OnceLock<String>>,
+}
+
+impl BlockedFlag {
+    pub(crate) fn set(&self, blocked: bool) {
+        self.blocked.store(blocked, Ordering::Release);
+        let queue = self.queue.get().cloned().unwrap_or_default();
+        metrics::gauge!(metrics_names::CONNECTION_BLOCKED, metrics_names::LABEL_QUEUE => queue)
+            .set(if blocked { 1.0 } else { 0.0 });
+    }
 }
 
 impl StatusSender {
@@ -158,6 +185,14 @@ impl StatusSender {
             tx,
             queue: Arc::new(OnceLock::new()),
             broker: Arc::new(AtomicUsize::new(NO_BROKER)),
+            blocked: Arc::new(AtomicBool::new(false)),
+        }
+    }
+
+    pub(crate) fn blocked_flag(&self) -> BlockedFlag {
+        BlockedFlag {
+            blocked: Arc::clone(&self.blocked),
+            queue: Arc::clone(&self.queue),
         }
     }
 
@@ -176,6 +211,7 @@ impl StatusSender {
             rx: self.tx.subscribe(),
             queue: self.queue.clone(),
             broker: self.broker.clone(),
+            blocked: self.blocked.clone(),
         }
     }
 

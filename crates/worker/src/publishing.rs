@@ -1,0 +1,123 @@
+//! The publishing connection: retry copies, repaired copies and annotated dead letters go out
+//! on a connection of their own, never on the one deliveries and acks use.
+//!
+//! During a memory or disk alarm RabbitMQ blocks every connection that publishes
+//! (`connection.blocked`): a consumer publishing on its own connection then stops receiving and
+//! acking too. With a separate connection, successful deliveries keep being acked while a
+//! retry waits, bounded, for the alarm to clear. One publishing connection per broker URL is
+//! shared by every worker of the process (RabbitMQ's advice: few connections, separate for
+//! publishing and consuming).
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, OnceLock, PoisonError, Weak};
+
+use futures::StreamExt;
+use lapin::{Connection, ConnectionProperties, Event};
+use redeliver_amqp::url::BrokerUrl;
+use redeliver_amqp::{ConnectError, TlsConfig};
+use tokio::sync::watch;
+use tracing::{debug, info, warn};
+
+/// A publishing connection shared by the workers of this process that use the same broker URL;
+/// (re)connected on demand.
+pub(crate) struct Publishing {
+    url: BrokerUrl,
+    tls: TlsConfig,
+    name: String,
+    connection: tokio::sync::Mutex<Option<Arc<Connection>>>,
+    /// True while the broker blocks the connection (a resource alarm).
+    blocked: watch::Sender<bool>,
+}
+
+/// The live publishing connections of the process, by URL (credentials included) and TLS.
+fn registry() -> &'static Mutex<HashMap<String, Weak<Publishing>>> {
+    static REGISTRY: OnceLock<Mutex<HashMap<String, Weak<Publishing>>>> = OnceLock::new();
+    REGISTRY.get_or_init(Mutex::default)
+}
+
+impl Publishing {
+    /// The publishing connection for `url`, shared with the other workers of the process that
+    /// use it; `name` (shown in the management UI) is taken from the first.
+    pub(crate) fn shared(url: &BrokerUrl, tls: &TlsConfig, name: &str) -> Arc<Self> {
+        // Only ever compared in memory: the key holds the password.
+        let key = format!("{:?}|{tls:?}", url.uri());
+        let mut map = registry().lock().unwrap_or_else(PoisonError::into_inner);
+        map.retain(|_, w| w.strong_count() > 0);
+        if let Some(existing) = map.get(&key).and_then(Weak::upgrade) {
+            return existing;
+        }
+        let fresh = Arc::new(Self {
+            url: url.clone(),
+            tls: tls.clone(),
+            name: format!("{name} (publishing)"),
+            connection: tokio::sync::Mutex::new(None),
+            blocked: watch::Sender::new(false),
+        });
+        map.insert(key, Arc::downgrade(&fresh));
+        fresh
+    }
+
+    /// The connection, opened (again) if there is none or it died.
+    pub(crate) async fn connection(&self) -> Result<Arc<Connection>, ConnectError> {
+        let mut current = self.connection.lock().await;
+        if let Some(c) = current.as_ref().filter(|c| c.status().connected()) {
+            return Ok(Arc::clone(c));
+        }
+        let props = ConnectionProperties::default().with_connection_name(self.name.clone().into());
+        let connection = Arc::new(redeliver_amqp::connect_url(&self.url, props, &self.tls).await?);
+        debug!(broker = %self.url, name = %self.name, "publishing connection open");
+        // A new connection is not blocked until the broker says so.
+        self.blocked.send_replace(false);
+        tokio::spawn(watch_blocked(
+            connection.events_listener().boxed(),
+            self.blocked.clone(),
+            self.url.redacted().to_owned(),
+        ));
+        *current = Some(Arc::clone(&connection));
+        Ok(connection)
+    }
+
+    /// Whether the broker blocks the connection, and its changes.
+    pub(crate) fn blocked(&self) -> watch::Receiver<bool> {
+        self.blocked.subscribe()
+    }
+}
+
+impl Drop for Publishing {
+    fn drop(&mut self) {
+        // The last worker using it is gone: close it rather than leave it to the broker's
+        // heartbeat timeout.
+        if let Some(c) = self.connection.get_mut().take() {
+            if c.status().connected() {
+                if let Ok(handle) = tokio::runtime::Handle::try_current() {
+                    handle.spawn(async move {
+                        let _ = c.close(200, "worker stopped".into()).await;
+                    });
+                }
+            }
+        }
+    }
+}
+
+/// Follows `connection.blocked` / `unblocked` until the connection's events end.
+async fn watch_blocked(
+    mut events: futures::stream::BoxStream<'static, Event>,
+    blocked: watch::Sender<bool>,
+    broker: String,
+) {
+    while let Some(event) = events.next().await {
+        match event {
+            Event::ConnectionBlocked(reason) => {
+                warn!(broker = %broker, reason = %reason, "the broker blocks the publishing connection (resource alarm): retries wait, successful deliveries are still acked");
+                blocked.send_replace(true);
+            }
+            Event::ConnectionUnblocked => {
+                info!(broker = %broker, "the broker unblocked the publishing connection");
+                blocked.send_replace(false);
+            }
+            _ => {}
+        }
+    }
+    // A dead connection blocks nothing; its successor reports afresh.
+    blocked.send_replace(false);
+}
