@@ -46,6 +46,7 @@ type TopologyMap = Box<dyn FnOnce(Topology) -> Topology + Send>;
 /// | [`requeue_limit`](Self::requeue_limit) | 10 requeues, each after a 1 s pause |
 /// | [`max_message_size`](Self::max_message_size) | the broker version's default `max_message_size` (16 MiB from RabbitMQ 4.0, 128 MiB before) |
 /// | [`confirm_timeout`](Self::confirm_timeout) | 30 s |
+/// | [`topology_check_interval`](Self::topology_check_interval) | 30 s |
 /// | [`dead_letter_mode`](Self::dead_letter_mode) | [`DeadLetterMode::Reject`] |
 /// | [`tls`](Self::tls) | the system's root certificates, password login |
 ///
@@ -289,6 +290,16 @@ impl WorkerBuilder {
         self
     }
 
+    /// How often the running worker checks that the delay infrastructure (its levels and the
+    /// parking queue of retries whose queue is gone) still exists, declares again what was
+    /// deleted (unless [`verify_only`](Self::verify_only)), and measures the parking queue
+    /// (metric `redeliver_delay_unroutable_messages`). Without the parking queue, such a retry
+    /// would be dropped.
+    pub fn topology_check_interval(mut self, d: Duration) -> Self {
+        self.settings.topology_check_interval = d;
+        self
+    }
+
     /// How messages that cannot succeed reach `Q.dlq`; see the modes' trade-offs on
     /// [`DeadLetterMode`].
     ///
@@ -367,6 +378,14 @@ impl WorkerBuilder {
                 max: Semaphore::MAX_PERMITS,
             }
             .into());
+        }
+        for (name, d) in [
+            ("confirm_timeout", settings.confirm_timeout),
+            ("topology_check_interval", settings.topology_check_interval),
+        ] {
+            if d.is_zero() {
+                return Err(SettingError::Zero(name).into());
+            }
         }
         let prefetch = settings
             .prefetch

@@ -59,6 +59,9 @@ pub enum SettingError {
     /// [`prefetch`](crate::WorkerBuilder::prefetch) of 0.
     #[error("prefetch must be at least 1 (0 would mean an unbounded buffer)")]
     Prefetch,
+    /// A duration that must be positive was zero.
+    #[error("{0} must be more than zero")]
+    Zero(&'static str),
     /// A broker URL that does not parse (its password is never in the text).
     #[error(transparent)]
     Url(#[from] UrlError),

@@ -11,9 +11,9 @@ use lapin::options::{
 use lapin::types::FieldTable;
 use lapin::{Channel, Connection, ConnectionProperties, Consumer, Event};
 use redeliver_amqp::url::BrokerUrl;
-use redeliver_amqp::ServerInfo;
+use redeliver_amqp::{DelayConfig, ServerInfo, TopologyError};
 use tokio_util::sync::CancellationToken;
-use tracing::{debug, info, warn};
+use tracing::{debug, error, info, warn};
 
 use crate::acks::AckSender;
 use crate::delivery;
@@ -27,8 +27,6 @@ use crate::status::BlockedFlag;
 
 /// Bound on each broker call made while shutting down, so a dead broker cannot stall the exit.
 const CLOSE_TIMEOUT: Duration = Duration::from_secs(5);
-/// How often the unroutable-parking queue of the delay infrastructure is measured.
-const UNROUTABLE_POLL: Duration = Duration::from_secs(30);
 
 /// Why [`Session::consume`] returned.
 pub(crate) enum SessionEnd {
@@ -161,9 +159,11 @@ impl Session {
                 FieldTable::default(),
             )
             .await?;
-        let unroutable_poll = tokio::spawn(poll_unroutable(
+        let unroutable_poll = tokio::spawn(watch_delay(
             Arc::clone(connection),
-            delay.unroutable_name(),
+            delay.clone(),
+            settings.verify_only,
+            settings.topology_check_interval,
         ));
         Ok(Session {
             connection: Arc::clone(connection),
@@ -302,38 +302,69 @@ async fn close_connection(connection: &Connection, why: &str) {
     }
 }
 
-/// Measures the delay infrastructure's unroutable-parking queue (passive declare on a throwaway
-/// channel: a 404 would close the channel it ran on).
-async fn poll_unroutable(connection: Arc<Connection>, name: String) {
-    let mut tick = tokio::time::interval(UNROUTABLE_POLL);
+/// Checks, every `every`, that the delay infrastructure is still there (a deleted parking
+/// queue turns the unroutable exchange into a black hole: retries whose queue is gone would be
+/// dropped), re-declares what was deleted unless the worker only verifies, and measures the
+/// parking queue.
+async fn watch_delay(
+    connection: Arc<Connection>,
+    delay: DelayConfig,
+    verify_only: bool,
+    every: Duration,
+) {
+    let name = delay.unroutable_name();
+    let mut tick = tokio::time::interval(every);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tick.tick().await;
-        let Ok(channel) = connection.create_channel().await else {
+        if !connection.status().connected() {
             return;
-        };
-        let declared = channel
-            .queue_declare(
-                name.as_str().into(),
-                QueueDeclareOptions {
-                    passive: true,
-                    ..QueueDeclareOptions::default()
-                },
-                FieldTable::default(),
-            )
-            .await;
-        match declared {
-            Ok(q) => {
-                metrics::gauge!(m::DELAY_UNROUTABLE_MESSAGES, m::LABEL_PARKING_QUEUE => name.clone())
-                    .set(f64::from(q.message_count()));
-                if q.message_count() > 0 {
-                    warn!(queue = %name, messages = q.message_count(), "messages parked in the delay infrastructure's unroutable queue");
+        }
+        match delay.verify(&connection).await {
+            Ok(()) => {}
+            Err(TopologyError::Missing { object }) if !verify_only => {
+                warn!(missing = %object, "part of the delay infrastructure was deleted while running; declaring it again");
+                match delay.declare(&connection).await {
+                    Ok(()) => info!(missing = %object, "delay infrastructure declared again"),
+                    Err(e) => warn!(error = %e, "cannot declare the delay infrastructure again"),
                 }
             }
-            Err(e) => debug!(queue = %name, error = %e, "cannot measure the unroutable queue"),
+            Err(TopologyError::Missing { object }) => {
+                error!(missing = %object, "part of the delay infrastructure was deleted and this worker only verifies: retries may be dropped until it is declared again (redeliver topology declare)");
+            }
+            Err(e) => debug!(error = %e, "cannot check the delay infrastructure"),
         }
-        if channel.status().connected() {
-            let _ = channel.close(200, "done".into()).await;
+        measure_parking(&connection, &name).await;
+    }
+}
+
+/// Measures the parking queue (passive declare on a throwaway channel: a 404 closes it).
+async fn measure_parking(connection: &Connection, name: &str) {
+    let Ok(channel) = connection.create_channel().await else {
+        return;
+    };
+    let declared = channel
+        .queue_declare(
+            name.into(),
+            QueueDeclareOptions {
+                passive: true,
+                ..QueueDeclareOptions::default()
+            },
+            FieldTable::default(),
+        )
+        .await;
+    match declared {
+        Ok(q) => {
+            metrics::gauge!(m::DELAY_UNROUTABLE_MESSAGES, m::LABEL_PARKING_QUEUE => name.to_owned())
+                .set(f64::from(q.message_count()));
+            if q.message_count() > 0 {
+                warn!(queue = %name, messages = q.message_count(), "messages parked in the delay infrastructure's unroutable queue");
+            }
         }
+        Err(e) => debug!(queue = %name, error = %e, "cannot measure the unroutable queue"),
+    }
+    if channel.status().connected() {
+        let _ = channel.close(200, "done".into()).await;
     }
 }
 

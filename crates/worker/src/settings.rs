@@ -82,6 +82,7 @@ pub struct Settings {
     pub(crate) requeue_limit: u32,
     pub(crate) max_message_size: Option<usize>,
     pub(crate) confirm_timeout: Duration,
+    pub(crate) topology_check_interval: Duration,
     pub(crate) tls: TlsConfig,
     pub(crate) dead_letter_mode: DeadLetterMode,
 }
@@ -113,6 +114,7 @@ impl Settings {
             requeue_limit: DEFAULT_REQUEUE_LIMIT,
             max_message_size: None,
             confirm_timeout: Duration::from_secs(30),
+            topology_check_interval: Duration::from_secs(30),
             tls: TlsConfig::new(),
             dead_letter_mode: DeadLetterMode::Reject,
         }
@@ -203,6 +205,11 @@ impl Settings {
         self.confirm_timeout
     }
 
+    /// How often the running worker checks the delay infrastructure.
+    pub fn topology_check_interval(&self) -> Duration {
+        self.topology_check_interval
+    }
+
     /// TLS settings for `amqps://` URLs.
     pub fn tls(&self) -> &TlsConfig {
         &self.tls
@@ -243,6 +250,7 @@ impl fmt::Debug for Settings {
             .field("requeue_limit", &self.requeue_limit)
             .field("max_message_size", &self.max_message_size)
             .field("confirm_timeout", &self.confirm_timeout)
+            .field("topology_check_interval", &self.topology_check_interval)
             .field("tls", &self.tls)
             .field("dead_letter_mode", &self.dead_letter_mode)
             .finish()

@@ -63,7 +63,11 @@ async fn a_panicking_classifier_rule_is_a_transient_failure() {
         &queue,
         (0..N)
             .map(|i| {
-                let id = if i % 2 == 0 { format!("boom-{i}") } else { format!("ok-{i}") };
+                let id = if i % 2 == 0 {
+                    format!("boom-{i}")
+                } else {
+                    format!("ok-{i}")
+                };
                 (id.clone().into_bytes(), props(&id))
             })
             .collect(),
@@ -72,8 +76,7 @@ async fn a_panicking_classifier_rule_is_a_transient_failure() {
     let done = || {
         let a = attempts.lock().unwrap();
         a.len() == N
-            && a
-                .iter()
+            && a.iter()
                 .all(|(id, at)| at.contains(&if id.starts_with("boom") { 1 } else { 0 }))
     };
     assert!(
@@ -81,7 +84,11 @@ async fn a_panicking_classifier_rule_is_a_transient_failure() {
         "{:?}",
         attempts.lock().unwrap()
     );
-    assert_eq!(status.state(), WorkerState::Consuming, "the worker kept serving");
+    assert_eq!(
+        status.state(),
+        WorkerState::Consuming,
+        "the worker kept serving"
+    );
     assert!(!run.is_finished(), "the worker stopped");
     // Each panicking decision became one retry: attempt 0 then 1, nothing dead-lettered.
     for (id, at) in attempts.lock().unwrap().iter() {
