@@ -73,6 +73,7 @@ impl Shared {
 /// after a last flush.
 pub(crate) struct AckSender {
     shared: Arc<Shared>,
+    channel: Channel,
 }
 
 impl AckSender {
@@ -88,8 +89,8 @@ impl AckSender {
             }),
             wake: Notify::new(),
         });
-        tokio::spawn(run(channel, meters, Arc::clone(&shared)));
-        Self { shared }
+        tokio::spawn(run(channel.clone(), meters, Arc::clone(&shared)));
+        Self { shared, channel }
     }
 
     /// A delivery arrived; must be called in delivery order, before its task can mark it.
@@ -104,6 +105,17 @@ impl AckSender {
         let mut st = self.shared.lock();
         st.window.ack(tag, success);
         self.wake_if_needed(st);
+    }
+
+    /// A delivery's own frame (reject, nack) did not go out, so its tag must stay unsettled
+    /// and no later multiple ack may cover it: the channel is closed, and the broker returns
+    /// every delivery of it to the queue (the session then reconnects).
+    pub(crate) async fn abandon_channel(&self, why: &str) {
+        if self.channel.status().connected() {
+            let _ =
+                tokio::time::timeout(Duration::from_secs(5), self.channel.close(406, why.into()))
+                    .await;
+        }
     }
 
     /// The delivery was settled with its own frame (reject, nack); it no longer blocks others.

@@ -591,8 +591,13 @@ impl Broker for LapinBroker<'_> {
 
     async fn reject(&self, requeue: bool) -> Result<bool, lapin::Error> {
         let rejected = self.acker.reject(BasicRejectOptions { requeue }).await;
-        // Only once the reject frame is out may a batched ack cover later tags.
-        self.link.acks.released(self.tag);
+        match rejected {
+            // Only once the reject frame is out may a batched ack cover later tags.
+            Ok(true) => self.link.acks.released(self.tag),
+            // Releasing the tag now would let a later multiple ack settle a message that was
+            // never rejected: give the whole channel back instead.
+            _ => self.link.acks.abandon_channel("reject failed").await,
+        }
         rejected
     }
 
