@@ -50,18 +50,25 @@
 //! # }
 //! ```
 
+#![warn(missing_docs, unreachable_pub, missing_debug_implementations)]
+#![forbid(unsafe_code)]
+
 pub use redeliver_amqp as amqp;
 pub use redeliver_core as policy;
 pub use redeliver_worker as worker;
 
+// Each type is documented once, in the crate that defines it; these are shortcuts to it.
+#[doc(no_inline)]
 pub use redeliver_amqp::{lapin, DelayConfig, Publisher, QueueType, TlsConfig, Topology};
+#[doc(no_inline)]
 pub use redeliver_core::{
     Backoff, Classifier, DeadLetterReason, Decision, ErrorKind, HandlerError, Jitter, RetryBudget,
     RetryPolicy,
 };
+#[doc(no_inline)]
 pub use redeliver_worker::{
-    CancellationToken, Context, FromDelivery, Handler, Json, Raw, Text, Worker, WorkerBuilder,
-    WorkerError, WorkerStatus,
+    CancellationToken, Context, DeadLetterMode, FromDelivery, Handler, Json, Raw, Text, Worker,
+    WorkerBuilder, WorkerError, WorkerStatus,
 };
 
 // The README's Rust examples are compiled as doctests so they cannot drift from the API.
