@@ -68,4 +68,4 @@ pub use names::{validate_queue_name, validate_routed_queue_name, NameError, MAX_
 pub use publisher::{OutgoingMessage, PublishError, Publisher, DEFAULT_PUBLISH_CHANNELS};
 pub use server::{BrokerVersion, ProbeError, ServerInfo, StartFrameError, PROBE_TIMEOUT};
 pub use tls::{connect, connect_url, ConnectError, TlsConfig, TlsError};
-pub use topology::{Binding, Topology};
+pub use topology::{Binding, Topology, TopologyWarning};
