@@ -158,6 +158,16 @@ impl<'a> Session<'a> {
         }
     }
 
+    /// Runs one (passive) declaration: `Ok(false)` when the object does not exist. The session
+    /// stays usable (a 404 closes its channel; the next operation opens another).
+    pub(crate) async fn exists(&mut self, op: &Op) -> Result<bool, TopologyError> {
+        match self.run(op).await {
+            Ok(()) => Ok(true),
+            Err(TopologyError::Missing { .. }) => Ok(false),
+            Err(e) => Err(e),
+        }
+    }
+
     /// Runs `ops` in order, stopping at the first error (deletes skip missing objects),
     /// then closes the channel.
     pub(crate) async fn run_all(mut self, ops: Vec<Op>) -> Result<(), TopologyError> {
@@ -312,6 +322,22 @@ fn classify(op: &Op, f: Failure) -> TopologyError {
     }
 }
 
+/// The existing value in a 406's text: `... but current is 'v1'` (both values of one type),
+/// `... but current is the value 'q.dlx' of type 'longstr'` -> `v1`, `q.dlx`; `... but current
+/// is none` -> `None`.
+pub(crate) fn current_value(msg: &str) -> Option<String> {
+    const MARK: &str = "but current is ";
+    let rest = &msg[msg.find(MARK)? + MARK.len()..];
+    let value = match rest.strip_prefix("the value '") {
+        Some(typed) => &typed[..typed.rfind("' of type")?],
+        None => {
+            let quoted = rest.strip_prefix('\'')?;
+            &quoted[..quoted.rfind('\'')?]
+        }
+    };
+    Some(value.to_owned())
+}
+
 /// `... inequivalent arg 'x-dead-letter-exchange' for queue 'q' ...` -> the argument.
 /// Exchange redeclarations with another type read `... with different type, durable,
 /// internal or autodelete value`: no single argument is named then.
@@ -363,5 +389,18 @@ mod tests {
         );
         assert_eq!(missing_object("NOT_FOUND - something else"), None);
         assert_eq!(mismatched_argument("inequivalent arg 'unterminated"), None);
+        assert_eq!(current_value(m).as_deref(), Some("q.dlx"));
+        assert_eq!(
+            current_value("PRECONDITION_FAILED - inequivalent arg 'alternate-exchange' for exchange 'e' in vhost '/': received 'levels=4 granularity=10ms queue-type=quorum' but current is 'levels=3 granularity=10ms queue-type=quorum'").as_deref(),
+            Some("levels=3 granularity=10ms queue-type=quorum")
+        );
+        assert_eq!(
+            current_value("PRECONDITION_FAILED - inequivalent arg 'x-message-ttl' for queue 'q' in vhost '/': received '20' but current is '10'").as_deref(),
+            Some("10")
+        );
+        assert_eq!(
+            current_value("received the value 'z' of type 'longstr' but current is none"),
+            None
+        );
     }
 }

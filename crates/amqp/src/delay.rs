@@ -399,14 +399,159 @@ impl DelayConfig {
         v
     }
 
+    /// Name of the exchange that records the settings of the delay infrastructure:
+    /// `{prefix}redeliver.delay.settings` (see [`Self::declare`]).
+    pub fn settings_name(&self) -> String {
+        format!("{}redeliver.delay.settings", self.prefix)
+    }
+
+    /// The settings every deployment on this prefix must share, as recorded on the broker:
+    /// `levels=24 granularity=10ms queue-type=quorum`.
+    pub fn settings(&self) -> String {
+        format!(
+            "levels={} granularity={}ms queue-type={}",
+            self.levels,
+            self.granularity.as_millis(),
+            self.queue_type.as_str()
+        )
+    }
+
+    /// Arguments of the settings exchange: [`Self::settings`] as its `alternate-exchange`.
+    ///
+    /// RabbitMQ compares no other argument when an exchange is declared again (and reads none
+    /// back over AMQP), so this is where a second declaration with other settings is refused
+    /// (406 PRECONDITION_FAILED, naming both values). The settings exchange has no bindings and
+    /// nothing publishes to it; the alternate exchange it names does not exist.
+    pub fn settings_arguments(&self) -> FieldTable {
+        let mut t = FieldTable::default();
+        t.insert("alternate-exchange".into(), text(&self.settings()));
+        t
+    }
+
+    fn settings_op(&self, passive: bool) -> Op {
+        Op::Exchange {
+            name: self.settings_name(),
+            kind: ExchangeKind::Fanout,
+            args: self.settings_arguments(),
+            passive,
+        }
+    }
+
+    fn level_queue_probe(&self, k: u8) -> Op {
+        Op::Queue {
+            name: self.level_name(k),
+            args: FieldTable::default(),
+            passive: true,
+        }
+    }
+
+    fn settings_mismatch(&self, existing: String) -> TopologyError {
+        TopologyError::DelaySettingsMismatch {
+            prefix: self.prefix.clone(),
+            existing,
+            requested: self.settings(),
+        }
+    }
+
+    /// Declares the settings exchange; other settings already recorded are a
+    /// [`TopologyError::DelaySettingsMismatch`].
+    async fn declare_settings(&self, conn: &lapin::Connection) -> Result<(), TopologyError> {
+        match declare::Session::new(conn)
+            .run_all(vec![self.settings_op(false)])
+            .await
+        {
+            Err(TopologyError::Mismatch {
+                argument: Some(a),
+                broker_message,
+                ..
+            }) if a == "alternate-exchange" => Err(self.settings_mismatch(
+                declare::current_value(&broker_message)
+                    .unwrap_or_else(|| "none recorded on the settings exchange".to_owned()),
+            )),
+            other => other,
+        }
+    }
+
     /// Declares every delay object (idempotent). A mismatch with an existing object is a
     /// [`TopologyError::Mismatch`]; declarations run on a channel of their own, so none of the
     /// caller's channels is closed by the broker's 406.
+    ///
+    /// Two deployments sharing a prefix must share the level count, the granularity and the
+    /// level queue type: with other levels they would declare the same level queues and bind
+    /// the level exchanges twice, duplicating and misrouting messages. The settings are
+    /// therefore recorded on the broker, in the settings exchange ([`Self::settings_name`],
+    /// [`Self::settings_arguments`]), declared before anything else; a declaration with other
+    /// settings fails with [`TopologyError::DelaySettingsMismatch`], naming both, before it has
+    /// changed anything.
+    ///
+    /// Delay infrastructure declared by an earlier version has no settings exchange. It is
+    /// recognized by its level 0 queue and checked as far as the broker can tell: the number of
+    /// level queues must be the level count (else [`TopologyError::DelaySettingsMismatch`]), and
+    /// the level queues' TTLs and type are compared as usual when they are declared again (a
+    /// difference is reported as a [`TopologyError::DelaySettingsMismatch`] too). Only when all
+    /// of it matched is the settings exchange declared, so an upgraded deployment keeps working
+    /// and records its settings on its first start.
     pub async fn declare(&self, conn: &lapin::Connection) -> Result<(), TopologyError> {
         self.validate()?;
-        declare::Session::new(conn)
+        let mut probe = declare::Session::new(conn);
+        let recorded = probe.exists(&self.settings_op(true)).await?;
+        let earlier = !recorded && probe.exists(&self.level_queue_probe(0)).await?;
+        let mut existing_levels = 0u8;
+        if earlier {
+            existing_levels = 1;
+            while existing_levels <= MAX_LEVELS
+                && probe
+                    .exists(&self.level_queue_probe(existing_levels))
+                    .await?
+            {
+                existing_levels += 1;
+            }
+        }
+        probe.run_all(Vec::new()).await?;
+        if earlier && existing_levels != self.levels {
+            return Err(self.settings_mismatch(format!(
+                "levels={existing_levels} (level queues 0 to {} exist; declared by an earlier \
+                 version, which recorded no settings)",
+                existing_levels - 1
+            )));
+        }
+        if !earlier {
+            // First: of two deployments declaring at once, the second fails here, unchanged.
+            self.declare_settings(conn).await?;
+        }
+        let declared = declare::Session::new(conn)
             .run_all(self.declare_ops(false))
-            .await
+            .await;
+        match declared {
+            Err(TopologyError::Mismatch {
+                object,
+                argument: Some(argument),
+                broker_message,
+                ..
+            }) if earlier && self.level_of_queue(&object).is_some() => {
+                let current =
+                    declare::current_value(&broker_message).unwrap_or_else(|| "none".to_owned());
+                let k = self.level_of_queue(&object).unwrap_or(0);
+                let granularity = match (argument.as_str(), current.parse::<u64>()) {
+                    ("x-message-ttl", Ok(ttl)) => format!("granularity={}ms, from ", ttl >> k),
+                    _ => String::new(),
+                };
+                return Err(self.settings_mismatch(format!(
+                    "{granularity}{argument} = {current} on {object} (declared by an earlier \
+                     version, which recorded no settings)"
+                )));
+            }
+            other => other?,
+        }
+        if earlier {
+            self.declare_settings(conn).await?;
+        }
+        Ok(())
+    }
+
+    /// `k` for `queue '{level k's name}'`, as [`TopologyError::Mismatch`] names objects.
+    fn level_of_queue(&self, object: &str) -> Option<u8> {
+        (0..self.levels).find(|k| object == format!("queue '{}'", self.level_name(*k)))
     }
 
     /// Checks with passive declares that every delay exchange and queue exists, without needing
@@ -438,6 +583,9 @@ impl DelayConfig {
         });
         v.push(Op::DeleteExchange {
             name: self.unroutable_name(),
+        });
+        v.push(Op::DeleteExchange {
+            name: self.settings_name(),
         });
         declare::Session::new(conn).run_all(v).await
     }

@@ -77,6 +77,23 @@ pub enum TopologyError {
         /// The broker's reply text.
         broker_message: String,
     },
+    /// The delay infrastructure of this prefix exists with other settings (level count,
+    /// granularity or level queue type) than requested: another deployment on the same prefix
+    /// uses other ones, or the configuration changed. Declaring on would bind the level
+    /// exchanges twice and duplicate or misroute delayed messages, so nothing was changed. Use
+    /// the same settings as the existing infrastructure, or another prefix; to change them,
+    /// stop every deployment on the prefix, let the level queues drain, delete the delay
+    /// infrastructure and declare again. Not transient: retrying cannot help.
+    #[error("the delay infrastructure of prefix '{prefix}' exists with other settings: existing {existing}, requested {requested}; every deployment on one prefix must use the same levels, granularity and level queue type (or another prefix)")]
+    DelaySettingsMismatch {
+        /// The delay prefix.
+        prefix: String,
+        /// What exists, as recorded (`levels=24 granularity=10ms queue-type=quorum`) or, for
+        /// delay levels declared by an earlier version, as found.
+        existing: String,
+        /// What was requested ([`DelayConfig::settings`](crate::DelayConfig::settings)).
+        requested: String,
+    },
     /// An object does not exist (404 NOT_FOUND), e.g. on verify or when binding to a user
     /// exchange that was never declared.
     #[error("{object} does not exist")]

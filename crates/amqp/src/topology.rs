@@ -10,6 +10,26 @@ use crate::delay::DelayConfig;
 use crate::error::TopologyError;
 use crate::names;
 
+/// Something [`Topology::declare_with_warnings`] found in place and used, although this version
+/// would declare it differently.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum TopologyWarning {
+    /// `Q.dlx` exists without an alternate exchange (declared by an earlier version): a dead
+    /// letter that `Q.dlq` cannot take is dropped by a classic work queue (a quorum queue keeps
+    /// retrying it). To migrate, delete `Q.dlx` and declare again (`redeliver topology declare`);
+    /// until the new `Q.dlx` exists (a moment), the work queue's dead letters have nowhere to go.
+    #[error("exchange '{dlx}' was declared without the alternate exchange '{alternate_exchange}' (by an earlier version): a dead letter that '{dlq}' cannot take is not parked; delete '{dlx}' and declare the topology again to add it")]
+    DlxWithoutAlternateExchange {
+        /// `Q.dlx`.
+        dlx: String,
+        /// `Q.dlq`.
+        dlq: String,
+        /// The alternate exchange it lacks.
+        alternate_exchange: String,
+    },
+}
+
 /// A binding of the consumer queue to a user exchange.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Binding {
@@ -26,7 +46,7 @@ pub struct Binding {
 /// | object | kind | arguments |
 /// |---|---|---|
 /// | `Q` | quorum (default) or classic queue | `x-dead-letter-exchange = Q.dlx`, `x-dead-letter-routing-key = Q`; quorum: `x-delivery-limit` (default 20), `x-dead-letter-strategy = at-least-once`, `x-overflow = reject-publish` |
-/// | `Q.dlx` | direct exchange | |
+/// | `Q.dlx` | direct exchange | `alternate-exchange =` the delay infrastructure's parking exchange ([`DelayConfig::unroutable_name`]) |
 /// | `Q.dlq` | classic (default) or quorum queue bound to `Q.dlx` with key `Q` | optional `x-message-ttl`, `x-max-length`; quorum: `x-queue-type = quorum`, `x-delivery-limit =` [`OPERATOR_DELIVERY_LIMIT`] |
 ///
 /// Every declaration runs on a channel this crate opens and closes itself: a 406
@@ -224,6 +244,21 @@ impl Topology {
         t
     }
 
+    /// Arguments of `Q.dlx`: its alternate exchange is the delay infrastructure's parking
+    /// exchange ([`DelayConfig::unroutable_name`]), so a dead letter that `Q.dlq` cannot take
+    /// (the queue was deleted, or its binding) is parked in that queue instead of being dropped.
+    /// A classic work queue dead-letters at most once: without the alternate exchange, a reject
+    /// while `Q.dlq` is missing loses the message. The parking queue is the one operators
+    /// already watch and replay (`redeliver unroutable list`, `replay --to Q.dlq`).
+    pub fn dlx_arguments(&self) -> FieldTable {
+        let mut t = FieldTable::default();
+        t.insert(
+            "alternate-exchange".into(),
+            text(&self.delay.unroutable_name()),
+        );
+        t
+    }
+
     /// Arguments of the dead-letter queue.
     pub fn dlq_arguments(&self) -> FieldTable {
         let mut t = FieldTable::default();
@@ -259,21 +294,23 @@ impl Topology {
         Ok(())
     }
 
+    fn dlx_op(&self, args: FieldTable, passive: bool) -> Op {
+        Op::Exchange {
+            name: self.dlx_name(),
+            kind: ExchangeKind::Direct,
+            args,
+            passive,
+        }
+    }
+
+    /// Every operation after `Q.dlx`.
     fn own_ops(&self, passive: bool) -> Vec<Op> {
         let q = self.queue_name();
-        let mut v = vec![
-            Op::Exchange {
-                name: self.dlx_name(),
-                kind: ExchangeKind::Direct,
-                args: FieldTable::default(),
-                passive,
-            },
-            Op::Queue {
-                name: self.dlq_name(),
-                args: self.dlq_arguments(),
-                passive,
-            },
-        ];
+        let mut v = vec![Op::Queue {
+            name: self.dlq_name(),
+            args: self.dlq_arguments(),
+            passive,
+        }];
         if !passive {
             v.push(Op::BindQueue {
                 queue: self.dlq_name(),
@@ -306,12 +343,53 @@ impl Topology {
     /// Declares the delay infrastructure, `Q.dlx`, `Q.dlq`, `Q` and the bindings. Idempotent;
     /// an existing object with other arguments gives [`TopologyError::Mismatch`], and the
     /// caller's channels are unaffected.
+    ///
+    /// One exception keeps deployments of earlier versions starting: a `Q.dlx` declared without
+    /// its alternate exchange (see [`Self::dlx_arguments`]) is used as it is, since an exchange's
+    /// arguments cannot change; this is a [`TopologyWarning`], logged (with the `tracing`
+    /// crate) and returned by [`Self::declare_with_warnings`].
     pub async fn declare(&self, conn: &lapin::Connection) -> Result<(), TopologyError> {
+        for w in self.declare_with_warnings(conn).await? {
+            tracing::warn!(queue = %self.queue_name(), "{w}");
+        }
+        Ok(())
+    }
+
+    /// [`Self::declare`], returning what was found in place but not as this version would
+    /// declare it, instead of logging it.
+    pub async fn declare_with_warnings(
+        &self,
+        conn: &lapin::Connection,
+    ) -> Result<Vec<TopologyWarning>, TopologyError> {
         self.validate()?;
         self.delay.declare(conn).await?;
+        let mut warnings = Vec::new();
+        let with_ae = declare::Session::new(conn)
+            .run_all(vec![self.dlx_op(self.dlx_arguments(), false)])
+            .await;
+        match with_ae {
+            Ok(()) => {}
+            // "received '...unroutable' but current is none": an earlier version's Q.dlx.
+            Err(TopologyError::Mismatch {
+                argument: Some(a),
+                broker_message,
+                ..
+            }) if a == "alternate-exchange" && broker_message.contains("current is none") => {
+                declare::Session::new(conn)
+                    .run_all(vec![self.dlx_op(FieldTable::default(), false)])
+                    .await?;
+                warnings.push(TopologyWarning::DlxWithoutAlternateExchange {
+                    dlx: self.dlx_name(),
+                    dlq: self.dlq_name(),
+                    alternate_exchange: self.delay.unroutable_name(),
+                });
+            }
+            Err(e) => return Err(e),
+        }
         declare::Session::new(conn)
             .run_all(self.own_ops(false))
-            .await
+            .await?;
+        Ok(warnings)
     }
 
     /// Checks with passive declares only (no configure permission needed) that the queue, the
@@ -320,9 +398,9 @@ impl Topology {
     pub async fn verify(&self, conn: &lapin::Connection) -> Result<(), TopologyError> {
         self.validate()?;
         self.delay.verify(conn).await?;
-        declare::Session::new(conn)
-            .run_all(self.own_ops(true))
-            .await
+        let mut ops = vec![self.dlx_op(FieldTable::default(), true)];
+        ops.extend(self.own_ops(true));
+        declare::Session::new(conn).run_all(ops).await
     }
 
     /// Deletes `Q`, `Q.dlq` and `Q.dlx` with their messages (not the shared delay

@@ -109,18 +109,21 @@ async fn mismatch_names_the_differing_argument() {
             }
             other => panic!("expected Mismatch, got {other:?}"),
         }
-        // Delay levels with another TTL (other granularity) are refused too.
+        // Delay levels with another granularity are refused too, by their recorded settings.
         let delay = t
             .delay_config()
             .clone()
             .granularity(std::time::Duration::from_millis(20));
         match delay.declare(&conn).await {
-            Err(TopologyError::Mismatch {
-                argument, object, ..
+            Err(TopologyError::DelaySettingsMismatch {
+                existing,
+                requested,
+                ..
             }) => {
-                assert_eq!(argument.as_deref(), Some("x-message-ttl"), "{object}");
+                assert_eq!(existing, "levels=4 granularity=10ms queue-type=quorum");
+                assert_eq!(requested, "levels=4 granularity=20ms queue-type=quorum");
             }
-            other => panic!("expected Mismatch, got {other:?}"),
+            other => panic!("expected DelaySettingsMismatch, got {other:?}"),
         }
         // And the original declaration is still fine.
         t.declare(&conn).await.expect("redeclare as before");

@@ -181,6 +181,14 @@ fn topology_hint(t: &TopologyError, declare: &str, url: Option<&BrokerUrl>) -> O
         TopologyError::Mismatch {
             object, argument, ..
         } => Some(mismatch_hint(object, argument.as_deref())),
+        TopologyError::DelaySettingsMismatch { prefix, .. } => Some(format!(
+            "declare with the settings of the existing delay infrastructure (--levels, \
+             --granularity, --delay-classic) or use another --prefix. To change the settings of \
+             prefix '{prefix}': stop every service using it, wait until its level queues are \
+             empty, delete it with its existing --levels (`redeliver topology delete QUEUE --prefix \
+             '{prefix}' --include-delay --levels N --yes`, which also deletes that queue's \
+             topology), then declare again"
+        )),
         TopologyError::AccessRefused { .. } => Some(permission_hint(url)),
         TopologyError::InvalidName(_) => Some(
             "queue names become words of topic routing keys: no '*', '#', and no empty words \

@@ -323,7 +323,7 @@ pub(crate) async fn rows(conn: &Connection, a: &TopologyArgs) -> anyhow::Result<
             conn,
             "exchange",
             t.dlx_name(),
-            exchange_args("direct", &FieldTable::default()),
+            exchange_args("direct", &t.dlx_arguments()),
         )
         .await?,
         queue_row(conn, "queue", t.dlq_name(), table_json(&t.dlq_arguments())).await?,
