@@ -376,7 +376,9 @@ async fn bad_input_ends_in_the_dlq_and_the_worker_keeps_serving() {
         w.terminate(Duration::from_secs(10)).await;
 
         let acc = s.account(&ids).await;
-        acc.assert_settled("bad input");
+        acc.assert_settled_parked("bad input", expected_parked);
+        acc.assert_duplicates_at_most("bad input", 0, false);
+        acc.assert_dead_lettered_once("bad input");
         let succeeded = s.succeeded();
         let mut calls: HashMap<String, usize> = HashMap::new();
         for (id, _, _) in s.calls() {
