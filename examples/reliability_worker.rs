@@ -11,8 +11,14 @@
 //!   `hang`, `abort` (the process dies on the spot, as a worker crashing on a poison message);
 //!   without it the seeded rates `--fail-rate`, `--panic-rate`, `--hang-rate` decide;
 //! - on success the message id is appended to the `--record` file *before* the handler returns,
-//!   so the ack can only follow a recorded success. A kill between the two gives a duplicate
-//!   (recorded twice), never a success nobody recorded.
+//!   so the ack can only follow a recorded success. A kill between the two makes the handler run
+//!   twice for one message (recorded twice), never gives a success nobody recorded;
+//! - with `--acked`, every ack frame the worker writes to the broker's socket for successful
+//!   deliveries appends the number of successes it settled (one line per frame, after lapin
+//!   reports the frame written). This is the worker's own `redeliver_messages_succeeded_total`
+//!   counter, observed through a `metrics` recorder installed here: it counts after the ack, not
+//!   before, so the harness can tell a message *acked* twice (the broker redelivered it although
+//!   its ack was sent) from a handler that ran twice because the kill fell before the ack.
 //!
 //! ```text
 //! cargo run --example reliability_worker -- --queue work --prefix t1. --record /tmp/ok.txt \
@@ -33,6 +39,7 @@ use std::time::Duration;
 use anyhow::{bail, Context as _};
 use clap::{Parser, ValueEnum};
 use redeliver::policy::BudgetConfig;
+use redeliver::worker::metrics_names::MESSAGES_SUCCEEDED;
 use redeliver::worker::{WorkerState, WorkerStatus};
 use redeliver::{
     CancellationToken, Context, DelayConfig, HandlerError, Json, QueueType, RetryBudget,
@@ -94,6 +101,10 @@ struct Args {
     /// process kill; the tests only kill processes, so it is off by default).
     #[arg(long)]
     fsync: bool,
+    /// File each ack frame settling successful deliveries appends its number of successes to,
+    /// once the frame is written (the worker's `redeliver_messages_succeeded_total` counter).
+    #[arg(long)]
+    acked: Option<PathBuf>,
     /// File every handler call is appended to: `id attempt outcome`.
     #[arg(long)]
     calls: Option<PathBuf>,
@@ -395,6 +406,74 @@ fn watch_events(file: File, mut status: WorkerStatus) {
     });
 }
 
+/// The `metrics` recorder of this process: only the worker's success counter, whose increments
+/// (made by the batched-ack task right after `basic.ack` was written to the socket, one per
+/// frame) are appended to the `--acked` file, one `write(2)` each. Every other metric is a no-op.
+struct AckedRecorder {
+    counter: Arc<AckedCounter>,
+}
+
+struct AckedCounter {
+    file: Mutex<File>,
+}
+
+impl metrics::CounterFn for AckedCounter {
+    fn increment(&self, value: u64) {
+        // A frame that settled only retry originals or dead-lettered ones counts 0: skipped.
+        if value > 0 {
+            if let Err(e) = App::append(&self.file, &format!("{value}\n"), false) {
+                warn!(error = %e, "cannot append to the acked file");
+            }
+        }
+    }
+
+    fn absolute(&self, _value: u64) {}
+}
+
+impl metrics::Recorder for AckedRecorder {
+    fn describe_counter(
+        &self,
+        _: metrics::KeyName,
+        _: Option<metrics::Unit>,
+        _: metrics::SharedString,
+    ) {
+    }
+    fn describe_gauge(
+        &self,
+        _: metrics::KeyName,
+        _: Option<metrics::Unit>,
+        _: metrics::SharedString,
+    ) {
+    }
+    fn describe_histogram(
+        &self,
+        _: metrics::KeyName,
+        _: Option<metrics::Unit>,
+        _: metrics::SharedString,
+    ) {
+    }
+
+    fn register_counter(&self, key: &metrics::Key, _: &metrics::Metadata<'_>) -> metrics::Counter {
+        if key.name() == MESSAGES_SUCCEEDED {
+            metrics::Counter::from_arc(Arc::clone(&self.counter))
+        } else {
+            metrics::Counter::noop()
+        }
+    }
+
+    fn register_gauge(&self, _: &metrics::Key, _: &metrics::Metadata<'_>) -> metrics::Gauge {
+        metrics::Gauge::noop()
+    }
+
+    fn register_histogram(
+        &self,
+        _: &metrics::Key,
+        _: &metrics::Metadata<'_>,
+    ) -> metrics::Histogram {
+        metrics::Histogram::noop()
+    }
+}
+
 /// Cancels `token` on SIGTERM or SIGINT.
 fn cancel_on_signal(token: CancellationToken) -> anyhow::Result<()> {
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
@@ -419,6 +498,17 @@ async fn main() -> anyhow::Result<()> {
         .with_ansi(false)
         .init();
     let args = Args::parse();
+    if let Some(path) = &args.acked {
+        // Before the worker is built: it resolves its metric handles when a session starts.
+        let recorder = AckedRecorder {
+            counter: Arc::new(AckedCounter {
+                file: Mutex::new(open_append(path)?),
+            }),
+        };
+        if metrics::set_global_recorder(recorder).is_err() {
+            bail!("a metrics recorder is already installed");
+        }
+    }
     let app = Arc::new(App {
         record: Mutex::new(open_append(&args.record)?),
         calls: args

@@ -123,6 +123,8 @@ async fn stopping_the_workers_node_loses_nothing() {
         w.terminate(Duration::from_secs(10)).await;
         let acc = s.account(&ids).await;
         acc.assert_settled("cluster node stop");
+        // Each stopped node drops the worker's connection with at most a prefetch (40) unacked.
+        acc.assert_duplicates_at_most("cluster node stopped, 2", 40 * 2, false);
         report(format!(
             "cluster: 2 node stops, worker outages {recoveries:?}; settled {settled:?} after the \
              flow; total {:?}",

@@ -16,6 +16,7 @@ const N: usize = 3000;
 /// Publishing is spread over this long so that connections are closed while messages flow.
 const FLOW: Duration = Duration::from_secs(12);
 const MIN_CLOSES: usize = 6;
+const PREFETCH: usize = 40;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn forced_connection_closes_lose_nothing() {
@@ -33,7 +34,7 @@ async fn forced_connection_closes_lose_nothing() {
             .arg("retry-cap-ms", 400)
             .arg("work-ms", 5)
             .arg("concurrency", 8)
-            .arg("prefetch", 40);
+            .arg("prefetch", PREFETCH);
         let mut a = cmd.spawn("a");
         let mut b = cmd.spawn("b");
         s.wait_consumers(2, Duration::from_secs(30)).await;
@@ -125,6 +126,12 @@ async fn forced_connection_closes_lose_nothing() {
             outages.len(),
             closed_names.len(),
             "every closed connection should show as one outage and one recovery"
+        );
+        // A closed connection takes its unacked deliveries back: at most a prefetch each.
+        acc.assert_duplicates_at_most(
+            &format!("forced connection closes, {}", closed_names.len()),
+            PREFETCH * closed_names.len(),
+            false,
         );
     })
     .await;

@@ -47,6 +47,9 @@ async fn handler_panics_are_retried_and_the_worker_survives() {
         w.terminate(Duration::from_secs(10)).await;
         let acc = s.account(&ids).await;
         acc.assert_settled("handler panics");
+        // No connection or process is lost: nothing may be handled or settled twice.
+        acc.assert_duplicates_at_most("handler panics", 0, false);
+        acc.assert_dead_lettered_once("handler panics");
 
         let calls = calls_per_id(&s);
         let panics = s.calls().iter().filter(|c| c.2 == "panic").count();
@@ -108,6 +111,8 @@ async fn handlers_hanging_past_the_timeout_are_retried() {
         w.terminate(Duration::from_secs(10)).await;
         let acc = s.account(&ids).await;
         acc.assert_settled("handler hangs");
+        acc.assert_duplicates_at_most("handler hangs past the timeout", 0, false);
+        acc.assert_dead_lettered_once("handler hangs");
         let calls = calls_per_id(&s);
         for id in &always {
             assert_eq!(
@@ -170,6 +175,9 @@ async fn a_message_that_kills_the_worker_ends_in_the_dlq() {
         w.terminate(Duration::from_secs(10)).await;
         let acc = s.account(&ids).await;
         acc.assert_settled("poison message");
+        // Each crash is a kill with one delivery (prefetch 1) in flight: the poison itself,
+        // never handled, so a crash may cost at most one settlement of an earlier message.
+        acc.assert_duplicates_at_most("message that crashes the worker", crashes as usize, true);
         let dead = acc.dlq.iter().find(|g| g.id == poison[0]);
         let dead = dead.unwrap_or_else(|| panic!("the poison is not in the DLQ"));
         assert_eq!(dead.death_reason().as_deref(), Some("delivery_limit"));

@@ -16,6 +16,8 @@ use reliability::{report, Nodes, Scenario, Shape};
 
 const N: usize = 1000;
 const RESTARTS: usize = 2;
+/// The worker's default prefetch (the example's `--prefetch`).
+const PREFETCH: usize = 50;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn broker_restart_with_messages_in_the_delay_levels_loses_nothing() {
@@ -92,6 +94,12 @@ async fn broker_restart_with_messages_in_the_delay_levels_loses_nothing() {
         w.terminate(Duration::from_secs(10)).await;
         let acc = s.account(&ids).await;
         acc.assert_settled("broker app restart");
+        // Each restart drops the worker's connection with at most a prefetch unacked.
+        acc.assert_duplicates_at_most(
+            &format!("broker app restart, {RESTARTS}"),
+            PREFETCH * RESTARTS,
+            false,
+        );
         report(format!(
             "broker restart: {RESTARTS} restarts, worker consuming again {:?} ms after start_app; \
              settled {settled:?} after the last; total {:?} (plus {:?} to boot the node)",

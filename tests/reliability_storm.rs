@@ -54,6 +54,8 @@ async fn storm(name: &str, n: usize, budget: Option<f64>) -> (Accounting, usize,
         w.terminate(Duration::from_secs(10)).await;
         let acc = s.account(&ids).await;
         acc.assert_settled(name);
+        acc.assert_duplicates_at_most(name, 0, false);
+        acc.assert_dead_lettered_once(name);
         assert_eq!(
             acc.dead_lettered, n,
             "{name}: every message fails, so all end in the DLQ"

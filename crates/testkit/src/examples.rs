@@ -34,6 +34,37 @@ pub fn example_binary(workspace_root: &Path, name: &str) -> PathBuf {
     bin
 }
 
+/// `<target>/<profile>/<bin>` of the test executable running now: binary `bin` of workspace
+/// package `package` (for instance the CLI, `redeliver` of `redeliver-cli`), built with
+/// `cargo build -p <package> --bin <bin>` (same profile and target directory) when it is missing
+/// or older than any source, as [`example_binary`] does for examples.
+///
+/// # Panics
+///
+/// When cargo cannot build it.
+pub fn package_binary(workspace_root: &Path, package: &str, bin: &str) -> PathBuf {
+    let exe = std::env::current_exe().expect("path of the test executable");
+    let profile_dir = exe
+        .parent()
+        .and_then(Path::parent)
+        .expect("a test executable lives in <target>/<profile>/deps");
+    let path = profile_dir.join(format!("{bin}{}", std::env::consts::EXE_SUFFIX));
+    if is_stale(&path, workspace_root) {
+        run_cargo(
+            workspace_root,
+            profile_dir,
+            &["build", "--quiet", "-p", package, "--bin", bin],
+            &format!("the {bin} binary of {package}"),
+        );
+    }
+    assert!(
+        path.exists(),
+        "{} does not exist; build it with `cargo build -p {package} --bin {bin}`",
+        path.display()
+    );
+    path
+}
+
 /// Missing, or older than a source it is built from. Only then is cargo run: building one
 /// example resolves features for its package alone, so doing it right after
 /// `cargo test --workspace` built it would rebuild it for nothing.
@@ -68,10 +99,18 @@ fn is_stale(bin: &Path, root: &Path) -> bool {
 }
 
 fn build(root: &Path, profile_dir: &Path, name: &str) {
+    run_cargo(
+        root,
+        profile_dir,
+        &["build", "--quiet", "--example", name],
+        &format!("the {name} example"),
+    );
+}
+
+fn run_cargo(root: &Path, profile_dir: &Path, args: &[&str], what: &str) {
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned());
     let mut cmd = Command::new(cargo);
-    cmd.current_dir(root)
-        .args(["build", "--quiet", "--example", name]);
+    cmd.current_dir(root).args(args);
     // Same profile as this test binary: `release` when it was built with --release.
     if profile_dir.file_name().is_some_and(|n| n == "release") {
         cmd.arg("--release");
@@ -81,6 +120,6 @@ fn build(root: &Path, profile_dir: &Path, name: &str) {
     }
     let status = cmd
         .status()
-        .unwrap_or_else(|e| panic!("cannot run cargo to build the {name} example: {e}"));
-    assert!(status.success(), "cargo build --example {name} failed");
+        .unwrap_or_else(|e| panic!("cannot run cargo to build {what}: {e}"));
+    assert!(status.success(), "cargo {} failed", args.join(" "));
 }

@@ -3,10 +3,14 @@
 //! A [`Scenario`] owns one uniquely prefixed topology (work queue, DLX, DLQ and its own delay
 //! levels) on one broker. The test publishes messages with unique ids ([`Scenario::publish`]),
 //! runs `reliability_worker` processes against it ([`Scenario::worker`]), injects its fault, and
-//! then [`Scenario::account`]s for every id: recorded as a success by a handler, in the DLQ, or
-//! still in the work queue, the delay levels or the unroutable queue. An id found nowhere is
-//! *lost* (the suite requires zero); an id found more than once is a *duplicate* (allowed by
-//! at-least-once, counted and printed).
+//! then [`Scenario::account`]s for every id: acked after a success (gone from every queue of the
+//! scenario, with a success recorded by its handler before the ack), in the DLQ, or still in the
+//! work queue, the delay levels or the unroutable queue. An id found nowhere is *lost* (the suite
+//! requires zero). A *duplicate* is a settlement too many: the success acks the workers sent
+//! (counted after each ack frame is written, from the worker's own success counter) plus the
+//! copies left in the broker, minus the ids they settle; a handler that ran twice for one
+//! message without a second ack is counted apart (*re-handled*). Both are allowed by
+//! at-least-once, and each fault test bounds them.
 //!
 //! A broker that cannot be reached fails the test with instructions, never skips it.
 
@@ -127,6 +131,10 @@ pub struct Scenario {
     pub record: PathBuf,
     /// Handler calls, `id attempt behaviour` per line.
     pub calls: PathBuf,
+    /// Successes settled by each ack frame the workers wrote, one number per line.
+    pub acked: PathBuf,
+    /// The broker's product and version, as it announced them (`RabbitMQ 4.0.5`).
+    pub broker: String,
     /// The harness's own connection and publisher; replaced by [`Scenario::reconnect`] after a
     /// broker restart.
     link: std::sync::Mutex<(Arc<Connection>, Publisher)>,
@@ -169,14 +177,20 @@ impl Scenario {
         let publisher = Publisher::new(&conn, delay)
             .await
             .expect("open a confirm-mode publisher");
+        let broker = match redeliver_amqp::ServerInfo::probe(&shape.url).await {
+            Ok(info) => format!("RabbitMQ {}", info.version_text()),
+            Err(e) => panic!("probe the broker at {}: {e}", shape.url),
+        };
         report(format!(
-            "{name}: prefix {prefix}, files in {}",
+            "{name}: {broker}, prefix {prefix}, files in {}",
             dir.display()
         ));
         Arc::new(Scenario {
             name: name.to_owned(),
             record: dir.join("succeeded.txt"),
             calls: dir.join("calls.txt"),
+            acked: dir.join("acked.txt"),
+            broker,
             dir,
             prefix,
             short_queue,
@@ -315,6 +329,8 @@ impl Scenario {
                 self.record.display().to_string(),
                 "--calls".into(),
                 self.calls.display().to_string(),
+                "--acked".into(),
+                self.acked.display().to_string(),
             ],
             dir: self.dir.clone(),
         }
@@ -332,7 +348,17 @@ impl Scenario {
 
     /// Publishes one message per id, with `mode(i)` as the body's `mode` when given.
     pub async fn publish_ids(&self, ids: &[String], mode: impl Fn(usize) -> Option<&'static str>) {
-        let queue = self.queue();
+        self.publish_ids_to(&self.queue(), ids, mode).await;
+    }
+
+    /// [`Self::publish_ids`] to any queue of the broker (the DLQ, to test a replay).
+    pub async fn publish_ids_to(
+        &self,
+        queue: &str,
+        ids: &[String],
+        mode: impl Fn(usize) -> Option<&'static str>,
+    ) {
+        let queue = queue.to_owned();
         let jobs: Vec<(String, Vec<u8>)> = ids
             .iter()
             .enumerate()
@@ -448,6 +474,17 @@ impl Scenario {
                 *m.entry(id).or_default() += 1;
                 m
             })
+    }
+
+    /// Success acks written by the workers so far (the sum of the acked file).
+    pub fn acked_successes(&self) -> u64 {
+        read_lines(&self.acked)
+            .iter()
+            .map(|l| {
+                l.parse::<u64>()
+                    .unwrap_or_else(|e| panic!("{}: bad line {l:?}: {e}", self.acked.display()))
+            })
+            .sum()
     }
 
     /// Handler calls (id, attempt, behaviour) from the calls file.
@@ -583,54 +620,101 @@ impl Scenario {
 
     /// Accounts for every id in `ids`. Call after the workers stopped: it drains the DLQ, the
     /// work queue, the delay levels and the unroutable queue.
+    ///
+    /// The broker says which ids were acked: a message leaves the scenario's queues only when a
+    /// worker acks it, and a worker acks the original of a retry or a dead letter only once its
+    /// copy (same `message_id`) is confirmed in a delay level or the DLQ. So an id found in none
+    /// of them was acked after a success, provided its handler recorded one (before the ack);
+    /// without such a record it is lost.
     pub async fn account(&self, ids: &[String]) -> Accounting {
-        let published: HashSet<&String> = ids.iter().collect();
-        let succeeded = self.succeeded();
+        let published: HashSet<&str> = ids.iter().map(String::as_str).collect();
+        let handled = self.succeeded();
+        let acked_successes = self.acked_successes();
         let dlq = self.drain(&self.dlq()).await;
         let mut remaining = self.drain(&self.queue()).await;
         for k in 0..self.shape.delay_levels {
             remaining.extend(self.drain(&self.delay().level_name(k)).await);
         }
         let unroutable = self.drain(&self.delay().unroutable_name()).await;
-        let mut seen: HashMap<&str, usize> = HashMap::new();
-        let mut foreign = 0;
-        let found = succeeded.iter().map(|(id, n)| (id.as_str(), *n)).chain(
-            dlq.iter()
-                .chain(&remaining)
-                .chain(&unroutable)
-                .map(|g| (g.id.as_str(), 1)),
-        );
-        for (id, n) in found {
-            match published.get(&id.to_owned()) {
-                Some(p) => *seen.entry(p.as_str()).or_default() += n,
-                None => foreign += n,
+        let mut foreign = handled
+            .iter()
+            .filter(|(id, _)| !published.contains(id.as_str()))
+            .map(|(_, n)| n)
+            .sum::<usize>();
+        // Copies per id still held by the broker, and per id in the DLQ alone.
+        let mut in_broker: HashMap<&str, usize> = HashMap::new();
+        let mut in_dlq: HashMap<&str, usize> = HashMap::new();
+        for g in dlq.iter().chain(&remaining).chain(&unroutable) {
+            if published.contains(g.id.as_str()) {
+                *in_broker.entry(g.id.as_str()).or_default() += 1;
+            } else {
+                foreign += 1;
             }
         }
-        let lost: Vec<String> = ids
+        for g in &dlq {
+            if published.contains(g.id.as_str()) {
+                *in_dlq.entry(g.id.as_str()).or_default() += 1;
+            }
+        }
+        let mut lost = Vec::new();
+        let mut succeeded = 0;
+        for id in ids {
+            match (
+                in_broker.contains_key(id.as_str()),
+                handled.contains_key(id),
+            ) {
+                (true, _) => {}
+                (false, true) => succeeded += 1,
+                (false, false) => lost.push(id.clone()),
+            }
+        }
+        let broker_copies: usize = in_broker.values().sum();
+        // One settlement per id is expected: a success ack, or its one copy in the broker.
+        let settlements = acked_successes as usize + broker_copies;
+        let settled_ids = succeeded + in_broker.len();
+        let handler_successes: usize = handled
             .iter()
-            .filter(|id| !seen.contains_key(id.as_str()))
-            .cloned()
+            .filter(|(id, _)| published.contains(id.as_str()))
+            .map(|(_, n)| n)
+            .sum();
+        let handled_ids = handled
+            .keys()
+            .filter(|id| published.contains(id.as_str()))
+            .count();
+        let mut dlq_repeated: Vec<(String, usize)> = in_dlq
+            .iter()
+            .filter(|(_, n)| **n > 1)
+            .map(|(id, n)| ((*id).to_owned(), *n))
             .collect();
-        let duplicates = seen.values().map(|n| n.saturating_sub(1)).sum();
-        let succeeded_ids: HashSet<&String> =
-            succeeded.keys().filter(|k| published.contains(k)).collect();
+        dlq_repeated.sort();
         Accounting {
+            scenario: self.name.clone(),
+            broker: self.broker.clone(),
             published: ids.len(),
-            succeeded: succeeded_ids.len(),
-            succeeded_lines: succeeded
-                .iter()
-                .filter(|(k, _)| published.contains(k))
-                .map(|(_, n)| n)
-                .sum(),
-            dead_lettered: dlq.iter().filter(|g| published.contains(&g.id)).count(),
+            succeeded,
+            acked_successes,
+            acks_unseen: succeeded.saturating_sub(acked_successes as usize),
+            handler_successes,
+            rehandled: handler_successes - handled_ids,
+            dead_lettered: in_dlq.len(),
+            dlq_messages: in_dlq.values().sum(),
+            dlq_repeated,
             remaining: remaining.len(),
             unroutable: unroutable.len(),
             lost,
-            duplicates,
+            duplicates: settlements.saturating_sub(settled_ids),
             foreign,
             dlq,
             unroutable_messages: unroutable,
         }
+    }
+
+    /// Path of the CLI (`redeliver`, crate `redeliver-cli`), built first when missing or stale.
+    pub fn cli_binary() -> &'static Path {
+        static BIN: OnceLock<PathBuf> = OnceLock::new();
+        BIN.get_or_init(|| {
+            crate::examples::package_binary(&workspace_root(), "redeliver-cli", "redeliver")
+        })
     }
 }
 
@@ -709,23 +793,43 @@ impl Got {
 /// Where every published id ended up.
 #[derive(Debug)]
 pub struct Accounting {
+    /// The scenario's name.
+    pub scenario: String,
+    /// The broker it ran on (`RabbitMQ 4.0.5`).
+    pub broker: String,
     /// Ids published.
     pub published: usize,
-    /// Distinct ids recorded as succeeded.
+    /// Ids acked after a success: gone from every queue, with a success recorded by the handler.
     pub succeeded: usize,
-    /// Success lines for published ids (more than `succeeded` when handlers ran twice).
-    pub succeeded_lines: usize,
-    /// Published ids found in the DLQ.
+    /// Successes settled by the ack frames the workers wrote (counted after each frame was
+    /// written to the socket, from the worker's `redeliver_messages_succeeded_total`).
+    pub acked_successes: u64,
+    /// Ids gone from the broker beyond the success acks counted: a SIGKILL between writing an
+    /// ack and counting it (must be 0 without kills; more would be an ack without a success).
+    pub acks_unseen: usize,
+    /// Success lines the handlers recorded for published ids (before the ack).
+    pub handler_successes: usize,
+    /// Handler successes beyond one per id: the handler ran again for a message already
+    /// handled (a fault between its success and the broker receiving the ack).
+    pub rehandled: usize,
+    /// Distinct published ids found in the DLQ.
     pub dead_lettered: usize,
+    /// Messages of published ids found in the DLQ (more than `dead_lettered` when one id was
+    /// dead-lettered twice).
+    pub dlq_messages: usize,
+    /// Ids found in the DLQ more than once, with their number of copies.
+    pub dlq_repeated: Vec<(String, usize)>,
     /// Still in the work queue or the delay levels.
     pub remaining: usize,
-    /// Messages found in the unroutable queue.
+    /// Messages found in the unroutable (parking) queue.
     pub unroutable: usize,
-    /// Published ids found nowhere.
+    /// Published ids found nowhere, or gone from the broker without a handler success.
     pub lost: Vec<String>,
-    /// Extra appearances of ids found more than once (success twice, success and DLQ, ...).
+    /// Settlements beyond one per id: success acks plus copies still in the broker (DLQ, work
+    /// queue, delay levels, parking queue), minus the ids they settle. A message acked twice,
+    /// acked and dead-lettered, or dead-lettered twice counts one.
     pub duplicates: usize,
-    /// Messages found that this scenario did not publish.
+    /// Messages found (or successes recorded) that this scenario did not publish.
     pub foreign: usize,
     /// What the DLQ held.
     pub dlq: Vec<Got>,
@@ -737,12 +841,18 @@ impl Accounting {
     /// One line with every count.
     pub fn summary(&self) -> String {
         format!(
-            "N={} succeeded={} (success lines {}) dead-lettered={} remaining={} unroutable={} \
+            "N={} succeeded={} (success acks {}, unseen {}; handler successes {}, re-handled {}) \
+             dead-lettered={} (DLQ messages {}, ids twice or more {}) remaining={} unroutable={} \
              lost={} duplicates={} foreign={}",
             self.published,
             self.succeeded,
-            self.succeeded_lines,
+            self.acked_successes,
+            self.acks_unseen,
+            self.handler_successes,
+            self.rehandled,
             self.dead_lettered,
+            self.dlq_messages,
+            self.dlq_repeated.len(),
             self.remaining,
             self.unroutable,
             self.lost.len(),
@@ -766,10 +876,78 @@ impl Accounting {
         );
     }
 
-    /// Nothing lost and nothing left in the work queue or delay levels.
+    /// Nothing lost, nothing left in the work queue or delay levels, nothing parked.
     pub fn assert_settled(&self, what: &str) {
+        self.assert_settled_parked(what, 0);
+    }
+
+    /// [`Self::assert_settled`] where exactly `parked` messages must be in the parking queue.
+    pub fn assert_settled_parked(&self, what: &str, parked: usize) {
         self.assert_nothing_lost(what);
         assert_eq!(self.remaining, 0, "{what}: messages still waiting");
+        assert_eq!(
+            self.unroutable,
+            parked,
+            "{what}: messages in the parking queue (delay infrastructure's unroutable queue): \
+             {:?}",
+            self.unroutable_messages
+                .iter()
+                .map(|g| g.id.as_str())
+                .take(10)
+                .collect::<Vec<_>>()
+        );
+    }
+
+    /// Bounds what at-least-once allows a fault to cost: `duplicates` and `rehandled` at most
+    /// `bound` each, and, without a process killed (`killed` false), every id gone from the
+    /// broker matched by a success ack the workers counted. Prints the measured counts as one
+    /// `RESULT` line (RELIABILITY.md's table is filled from them).
+    pub fn assert_duplicates_at_most(&self, what: &str, bound: usize, killed: bool) {
+        report(format!(
+            "RESULT fault=\"{what}\" broker=\"{}\" N={} lost={} duplicates={} re-handled={} \
+             dlq-ids={} dlq-messages={} acks-unseen={} bound={bound}",
+            self.broker,
+            self.published,
+            self.lost.len(),
+            self.duplicates,
+            self.rehandled,
+            self.dead_lettered,
+            self.dlq_messages,
+            self.acks_unseen
+        ));
+        assert!(
+            self.duplicates <= bound,
+            "{what}: {} duplicates, more than the bound {bound}",
+            self.duplicates
+        );
+        assert!(
+            self.rehandled <= bound,
+            "{what}: {} messages handled again, more than the bound {bound}",
+            self.rehandled
+        );
+        if killed {
+            assert!(
+                self.acks_unseen <= bound,
+                "{what}: {} ids left the broker without a counted success ack",
+                self.acks_unseen
+            );
+        } else {
+            assert_eq!(
+                self.acks_unseen, 0,
+                "{what}: ids left the broker without a success ack (acks counted {}, ids \
+                 acked {})",
+                self.acked_successes, self.succeeded
+            );
+        }
+    }
+
+    /// Ids found in the DLQ more than once must be none: every dead letter is one message.
+    pub fn assert_dead_lettered_once(&self, what: &str) {
+        assert!(
+            self.dlq_repeated.is_empty(),
+            "{what}: ids dead-lettered more than once: {:?}",
+            &self.dlq_repeated[..self.dlq_repeated.len().min(10)]
+        );
     }
 
     /// DLQ entries per x-death reason.
