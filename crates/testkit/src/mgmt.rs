@@ -158,37 +158,20 @@ impl Client {
 }
 
 fn base64(input: &[u8]) -> String {
-    const T: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
-    let mut out = String::new();
-    for chunk in input.chunks(3) {
-        let b = [
-            chunk[0],
-            *chunk.get(1).unwrap_or(&0),
-            *chunk.get(2).unwrap_or(&0),
-        ];
-        let n = (u32::from(b[0]) << 16) | (u32::from(b[1]) << 8) | u32::from(b[2]);
-        for i in 0..4 {
-            if i <= chunk.len() {
-                out.push(T[((n >> (18 - 6 * i)) & 63) as usize] as char);
-            } else {
-                out.push('=');
-            }
-        }
-    }
-    out
+    use base64::Engine as _;
+    base64::engine::general_purpose::STANDARD.encode(input)
 }
 
-/// Percent-encodes one path segment (a queue, exchange or connection name).
+/// Percent-encodes one path segment (a queue, exchange or connection name): everything but
+/// RFC 3986's unreserved characters.
 pub fn pct(s: &str) -> String {
-    let mut out = String::new();
-    for b in s.bytes() {
-        if b.is_ascii_alphanumeric() || b"-._~".contains(&b) {
-            out.push(b as char);
-        } else {
-            out.push_str(&format!("%{b:02X}"));
-        }
-    }
-    out
+    use percent_encoding::{utf8_percent_encode, AsciiSet, NON_ALPHANUMERIC};
+    const SEGMENT: &AsciiSet = &NON_ALPHANUMERIC
+        .remove(b'-')
+        .remove(b'.')
+        .remove(b'_')
+        .remove(b'~');
+    utf8_percent_encode(s, SEGMENT).to_string()
 }
 
 /// [`Client::get_json`] on the test broker.
@@ -389,6 +372,7 @@ mod tests {
         assert_eq!(c.auth, format!("Basic {}", base64(b"admin:s3cret")));
         assert_eq!(base64(b"guest:guest"), "Z3Vlc3Q6Z3Vlc3Q=");
         assert_eq!(base64(b"ab"), "YWI=");
+        assert_eq!(pct("rd-1.q_~ x/y%"), "rd-1.q_~%20x%2Fy%25");
         assert_eq!(pct("a.b c/d"), "a.b%20c%2Fd");
     }
 }
