@@ -259,14 +259,24 @@ pub async fn connect_url(
     })?;
     Connection::connect_uri_with_config(uri, props, owned, runtime)
         .await
-        .map_err(|source| classify(url, source))
+        .map_err(|source| classify(url, tls.client_cert.is_some(), source))
 }
 
 /// TLS failures reach lapin as I/O errors carrying rustls' message: made a typed error with a hint.
-fn classify(url: &BrokerUrl, source: lapin::Error) -> ConnectError {
+fn classify(url: &BrokerUrl, client_cert: bool, source: lapin::Error) -> ConnectError {
     if url.is_tls() {
         if let lapin::ErrorKind::IOError(io) = source.kind() {
             let text = io.to_string();
+            // With TLS 1.3 the broker checks a client certificate after the client considers
+            // the handshake done; it then sends an alert and closes, and the alert is often lost
+            // to the reset.
+            let reset = matches!(
+                io.kind(),
+                std::io::ErrorKind::ConnectionReset
+                    | std::io::ErrorKind::ConnectionAborted
+                    | std::io::ErrorKind::BrokenPipe
+                    | std::io::ErrorKind::UnexpectedEof
+            );
             let hint = if text.contains("UnknownIssuer") || text.contains("unknown issuer") {
                 Some("the broker's certificate is not signed by a trusted CA: give its CA bundle (REDELIVER_TLS_CA_FILE, --tls-ca-file, TlsConfig::ca_file)")
             } else if text.contains("NotValidForName") || text.contains("not valid for name") {
@@ -279,6 +289,8 @@ fn classify(url: &BrokerUrl, source: lapin::Error) -> ConnectError {
                     .any(|a| text.contains(a))
             {
                 Some("the broker refused the client certificate: it must be signed by a CA the broker trusts (its ssl_options.cacertfile), or the broker requires one")
+            } else if reset && client_cert {
+                Some("the broker closed the connection right after the TLS handshake: most likely it refused the client certificate, which must be signed by a CA the broker trusts (its ssl_options.cacertfile)")
             } else if text.contains("certificate")
                 || text.contains("alert")
                 || text.contains("handshake")

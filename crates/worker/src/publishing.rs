@@ -5,11 +5,11 @@
 //! (`connection.blocked`): a consumer publishing on its own connection then stops receiving and
 //! acking too. With a separate connection, successful deliveries keep being acked while a
 //! retry waits, bounded, for the alarm to clear. One publishing connection per broker URL is
-//! shared by every worker of the process (RabbitMQ's advice: few connections, separate for
+//! shared by the workers of a `run_all` (RabbitMQ's advice: few connections, separate for
 //! publishing and consuming).
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex, OnceLock, PoisonError, Weak};
+use std::sync::{Arc, Mutex, PoisonError, Weak};
 
 use futures::StreamExt;
 use lapin::{Connection, ConnectionProperties, Event};
@@ -29,24 +29,25 @@ pub(crate) struct Publishing {
     blocked: watch::Sender<bool>,
 }
 
-/// The live publishing connections of the process, by URL (credentials included) and TLS.
-fn registry() -> &'static Mutex<HashMap<String, Weak<Publishing>>> {
-    static REGISTRY: OnceLock<Mutex<HashMap<String, Weak<Publishing>>>> = OnceLock::new();
-    REGISTRY.get_or_init(Mutex::default)
-}
+/// The publishing connections of the workers that share them (one [`Worker::run`]
+/// (crate::Worker::run), or all the workers of a [`run_all`](crate::run_all)), by URL
+/// (credentials included) and TLS. Never shared further: a lapin connection lives on the tokio
+/// runtime that opened it.
+#[derive(Clone, Default)]
+pub(crate) struct Pool(Arc<Mutex<HashMap<String, Weak<Publishing>>>>);
 
-impl Publishing {
-    /// The publishing connection for `url`, shared with the other workers of the process that
-    /// use it; `name` (shown in the management UI) is taken from the first.
-    pub(crate) fn shared(url: &BrokerUrl, tls: &TlsConfig, name: &str) -> Arc<Self> {
+impl Pool {
+    /// The publishing connection for `url`; `name` (shown in the management UI) is taken from
+    /// the first worker asking.
+    pub(crate) fn get(&self, url: &BrokerUrl, tls: &TlsConfig, name: &str) -> Arc<Publishing> {
         // Only ever compared in memory: the key holds the password.
         let key = format!("{:?}|{tls:?}", url.uri());
-        let mut map = registry().lock().unwrap_or_else(PoisonError::into_inner);
+        let mut map = self.0.lock().unwrap_or_else(PoisonError::into_inner);
         map.retain(|_, w| w.strong_count() > 0);
         if let Some(existing) = map.get(&key).and_then(Weak::upgrade) {
             return existing;
         }
-        let fresh = Arc::new(Self {
+        let fresh = Arc::new(Publishing {
             url: url.clone(),
             tls: tls.clone(),
             name: format!("{name} (publishing)"),
@@ -56,7 +57,9 @@ impl Publishing {
         map.insert(key, Arc::downgrade(&fresh));
         fresh
     }
+}
 
+impl Publishing {
     /// The connection, opened (again) if there is none or it died.
     pub(crate) async fn connection(&self) -> Result<Arc<Connection>, ConnectError> {
         let mut current = self.connection.lock().await;

@@ -11,6 +11,7 @@ use tracing::{error, info, warn};
 
 use crate::error::WorkerError;
 use crate::metrics_names;
+use crate::publishing::Pool;
 use crate::session::{Session, SessionEnd};
 use crate::settings::{Resolved, Settings};
 use crate::shared::Shared;
@@ -106,9 +107,15 @@ impl Worker {
     /// `Ok(())` on a clean stop; an error only for what reconnecting cannot fix (see
     /// [`WorkerError`]).
     pub async fn run(self, token: CancellationToken) -> Result<(), WorkerError> {
+        self.run_with(Pool::default(), token).await
+    }
+
+    /// [`run`](Self::run), sharing the publishing connections of `publishing`.
+    async fn run_with(self, publishing: Pool, token: CancellationToken) -> Result<(), WorkerError> {
         let shared = Arc::new(Shared::new(
             Arc::clone(&self.config),
             self.status.blocked_flag(),
+            publishing,
         ));
         let result = reconnect_loop(&shared, &self.status, &token).await;
         if result.is_err() {
@@ -292,8 +299,10 @@ pub async fn run_all(
     // Our own child token, so stopping the others after a failure leaves the caller's untouched.
     let group = token.child_token();
     let mut set = tokio::task::JoinSet::new();
+    // One publishing connection per broker for all of them.
+    let publishing = Pool::default();
     for w in workers {
-        set.spawn(w.run(group.child_token()));
+        set.spawn(w.run_with(publishing.clone(), group.child_token()));
     }
     let mut first_error = None;
     while let Some(joined) = set.join_next().await {

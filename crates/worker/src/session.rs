@@ -20,7 +20,6 @@ use crate::delivery;
 use crate::error::WorkerError;
 use crate::meters::Meters;
 use crate::metrics_names as m;
-use crate::publishing::Publishing;
 use crate::settle::{Link, Rules};
 use crate::shared::Shared;
 use crate::status::BlockedFlag;
@@ -128,7 +127,9 @@ impl Session {
             .await?;
         let meters = Meters::new(&config.queue);
         let acks = AckSender::spawn(channel.clone(), meters.clone(), config.prefetch);
-        let publishing = Publishing::shared(url, &settings.tls, &config.connection_name);
+        let publishing = worker
+            .publishing
+            .get(url, &settings.tls, &config.connection_name);
         let blocked = tokio::spawn(forward_blocked(
             publishing.blocked(),
             worker.blocked.clone(),

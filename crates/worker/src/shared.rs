@@ -10,6 +10,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{info, warn};
 
+use crate::publishing::Pool;
 use crate::requeue::RequeueLedger;
 use crate::settings::Resolved;
 use crate::status::BlockedFlag;
@@ -30,12 +31,15 @@ pub(crate) struct Shared {
     pub(crate) requeues: Mutex<RequeueLedger>,
     /// [`WorkerStatus::is_blocked`](crate::WorkerStatus::is_blocked), set by the sessions.
     pub(crate) blocked: BlockedFlag,
+    /// The publishing connections, shared with the other workers of a `run_all`.
+    pub(crate) publishing: Pool,
 }
 
 impl Shared {
-    pub(crate) fn new(config: Arc<Resolved>, blocked: BlockedFlag) -> Self {
+    pub(crate) fn new(config: Arc<Resolved>, blocked: BlockedFlag, publishing: Pool) -> Self {
         Self {
             blocked,
+            publishing,
             semaphore: Arc::new(Semaphore::new(config.settings.concurrency)),
             tracker: TaskTracker::new(),
             draining: CancellationToken::new(),
