@@ -445,9 +445,9 @@ impl Report {
         );
         let _ = writeln!(
             s,
-            "| scenario | queue | redeliver vs | round pairs | msg/s ratio, median | min-max | spread (max/min) | CPU/msg ratio, median | min-max | conclusive (msg/s) |"
+            "| scenario | queue | redeliver vs | round pairs | msg/s ratio, median | min-max | spread (max/min) | CPU/msg ratio, median | min-max | conclusive (msg/s) | every round's msg/s ratio |"
         );
-        let _ = writeln!(s, "|---|---|---|---:|---:|---|---:|---:|---|---|");
+        let _ = writeln!(s, "|---|---|---|---:|---:|---|---:|---:|---|---|---|");
         let mut seen: Vec<(String, QueueKind)> = Vec::new();
         for (scenario, queue, _) in self.groups() {
             if seen.iter().any(|(s2, q2)| *s2 == scenario && *q2 == queue) {
@@ -460,7 +460,7 @@ impl Report {
                 };
                 let _ = writeln!(
                     s,
-                    "| {scenario} | {} | {} | {} | **{:.2}x** | {} | {:.2} | {:.2}x | {} | {} |",
+                    "| {scenario} | {} | {} | {} | **{:.2}x** | {} | {:.2} | {:.2}x | {} | {} | {} |",
                     queue.name(),
                     c.vs.short(),
                     c.msg_ratio.values.len(),
@@ -472,7 +472,13 @@ impl Report {
                     match c.msg_ratio.conclusive(None) {
                         Ok(()) => "yes".to_string(),
                         Err(why) => why,
-                    }
+                    },
+                    c.msg_ratio
+                        .values
+                        .iter()
+                        .map(|v| format!("{v:.2}"))
+                        .collect::<Vec<_>>()
+                        .join(" / ")
                 );
             }
         }

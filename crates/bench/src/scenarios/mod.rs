@@ -350,9 +350,14 @@ pub async fn run_all(opts: RunOptions) -> Result<()> {
     }
     let _ = ctx.conn.close(200, "bench done".into()).await;
 
+    // URLs may carry a password: the recorded command shows where they went, not what they are.
     let command = std::env::args()
         .skip(1)
-        .filter(|a| !a.contains("://"))
+        .map(|a| match a.split_once('=') {
+            Some((flag, v)) if flag.starts_with("--") && v.contains("://") => format!("{flag}=URL"),
+            _ if a.contains("://") => "URL".to_string(),
+            _ => a,
+        })
         .collect::<Vec<_>>()
         .join(" ");
     let header = format!(
