@@ -75,3 +75,30 @@ pub fn management_sweep(base: &str, prefix: &str) -> Result<Vec<String>, String>
 pub fn management_version(base: &str) -> Option<String> {
     Client::new(base).version().ok()
 }
+
+/// The OS pid of the broker node behind the management API at `base` (`/api/overview`'s node,
+/// `/api/nodes/<node>`'s `os_pid`), if that process is on this host: a pid whose
+/// `/proc/<pid>/comm` is not `beam.smp` belongs to another machine or container.
+pub fn broker_pid(base: &str) -> Option<u32> {
+    let c = Client::new(base);
+    let node = c
+        .get_json("/api/overview")
+        .ok()?
+        .get("node")?
+        .as_str()?
+        .to_string();
+    let info = c.get_json(&format!("/api/nodes/{node}")).ok()?;
+    let pid = match info.get("os_pid")? {
+        serde_json::Value::String(s) => s.parse().ok()?,
+        serde_json::Value::Number(n) => u32::try_from(n.as_u64()?).ok()?,
+        _ => return None,
+    };
+    is_beam(pid).then_some(pid)
+}
+
+/// Whether `pid` is a running Erlang VM on this host.
+pub fn is_beam(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/comm"))
+        .map(|c| c.trim().starts_with("beam"))
+        .unwrap_or(false)
+}

@@ -25,12 +25,28 @@ pub const PARK_DELAY: Duration = Duration::from_secs(3600);
 /// Target size of one message body in bytes.
 pub const BODY_BYTES: usize = 1024;
 
+/// Body size of scenario 6 (RSS with the whole prefetch in flight).
+pub const INFLIGHT_BODY_BYTES: usize = 64 * 1024;
+
+/// Worker processes of scenario 5 (scale-out on one queue).
+pub const SCALE_PROCESSES: &[usize] = &[1, 2, 4];
+
+/// Per-round ratios spread wider than this (max / min) are too noisy to conclude from.
+pub const SPREAD_LIMIT: f64 = 1.25;
+
+/// Fewer round pairs than this never conclude (`--short` runs 2).
+pub const MIN_ROUNDS_TO_CONCLUDE: usize = 3;
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum Scenario {
     Happy,
     Retry,
     Delay,
     Park,
+    /// 1, 2 and 4 redeliver worker processes on one quorum queue.
+    Scale,
+    /// RSS with `prefetch` deliveries of 64 KiB bodies held in flight.
+    Inflight,
 }
 
 impl Scenario {
@@ -40,13 +56,16 @@ impl Scenario {
             Scenario::Retry,
             Scenario::Delay,
             Scenario::Park,
+            Scenario::Scale,
+            Scenario::Inflight,
         ]
     }
 }
 
 #[derive(Clone, Debug)]
 pub struct Sizes {
-    /// Rounds of scenarios 1 and 2 per side (alternating order; the best is reported).
+    /// Rounds of scenarios 1, 2 and 5 per side, interleaved (A B C, then C B A, ...); the
+    /// report gives medians over the rounds and the median of the per-round ratios.
     pub rounds: u32,
     /// Scenario 1: backlog drained for msg/s.
     pub happy: u64,
@@ -60,12 +79,16 @@ pub struct Sizes {
     pub delay_max: Duration,
     /// Scenario 4: messages parked in the delay levels.
     pub parked: u64,
+    /// Scenario 5: backlog drained by 1, 2 and 4 worker processes together.
+    pub scale: u64,
+    /// Scenario 6: 1 KB messages drained before the idle RSS is read (allocator warm-up).
+    pub inflight_warmup: u64,
 }
 
 impl Sizes {
     pub fn full() -> Self {
         Sizes {
-            rounds: 2,
+            rounds: 5,
             happy: 100_000,
             retry: 20_000,
             paced: 10_000,
@@ -73,12 +96,14 @@ impl Sizes {
             delay_probes: 2_000,
             delay_max: Duration::from_secs(5),
             parked: 50_000,
+            scale: 100_000,
+            inflight_warmup: 10_000,
         }
     }
 
     pub fn short() -> Self {
         Sizes {
-            rounds: 1,
+            rounds: 2,
             happy: 5_000,
             retry: 1_000,
             paced: 1_000,
@@ -86,6 +111,8 @@ impl Sizes {
             delay_probes: 200,
             delay_max: Duration::from_secs(1),
             parked: 2_000,
+            scale: 5_000,
+            inflight_warmup: 1_000,
         }
     }
 }

@@ -26,10 +26,18 @@ use crate::config::{Scenario, DEFAULT_URL};
     about = "redeliver vs a raw lapin consumer: throughput, latency, delay accuracy, memory"
 )]
 struct Cli {
-    /// Small sizes (5,000 messages, 200 delay probes over 0-1 s, 2,000 parked) that prove the
-    /// benchmark works in a minute; the numbers are not meaningful.
+    /// Small sizes (5,000 messages, 2 rounds, 200 delay probes over 0-1 s, 2,000 parked) that
+    /// prove the benchmark works in a couple of minutes; the numbers are not meaningful.
     #[arg(long)]
     short: bool,
+    /// Interleaved rounds per side of the throughput scenarios (happy, retry, scale)
+    /// [default: 5; 2 with --short]. Fewer than 3 never give a conclusive ratio.
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
+    rounds: Option<u32>,
+    /// PID of the RabbitMQ node's beam.smp process, for the broker CPU figures [default: the
+    /// `os_pid` the management API reports, if that process is on this host].
+    #[arg(long)]
+    broker_pid: Option<u32>,
     /// Broker URL [default: the local broker on 127.0.0.1:5672, guest account].
     // Neither the environment's value nor the default is shown in --help: both carry a password.
     #[arg(
@@ -75,11 +83,14 @@ fn main() -> Result<()> {
     match cli.command {
         Some(Command::Child(args)) => rt.block_on(child::main(cli.url, args)),
         None => {
-            let sizes = if cli.short {
+            let mut sizes = if cli.short {
                 config::Sizes::short()
             } else {
                 config::Sizes::full()
             };
+            if let Some(r) = cli.rounds {
+                sizes.rounds = r;
+            }
             let only = if cli.only.is_empty() {
                 Scenario::all().to_vec()
             } else {
@@ -92,6 +103,7 @@ fn main() -> Result<()> {
                 short: cli.short,
                 only,
                 out: cli.out,
+                broker_pid: cli.broker_pid,
             };
             rt.block_on(scenarios::run_all(opts))
         }

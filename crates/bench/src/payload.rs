@@ -29,6 +29,11 @@ pub struct PayloadIn {
 
 /// Padding that makes a typical body [`BODY_BYTES`] long.
 pub fn padding() -> String {
+    padding_for(BODY_BYTES)
+}
+
+/// Padding that makes a typical body `bytes` long.
+pub fn padding_for(bytes: usize) -> String {
     let probe = PayloadOut {
         seq: 1_000_000,
         ts_ns: now_ns(),
@@ -36,7 +41,7 @@ pub fn padding() -> String {
         pad: "",
     };
     let base = serde_json::to_vec(&probe).map(|v| v.len()).unwrap_or(80);
-    "x".repeat(BODY_BYTES.saturating_sub(base))
+    "x".repeat(bytes.saturating_sub(base))
 }
 
 pub fn now_ns() -> u64 {

@@ -7,7 +7,7 @@ use anyhow::{anyhow, bail, Context, Result};
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader, Lines};
 use tokio::process::{Child, ChildStdin, ChildStdout, Command};
 
-use crate::child::{ChildArgs, Ready, RunReport};
+use crate::child::{ChildArgs, Ready, RunReport, Stat};
 
 pub struct ChildProc {
     child: Child,
@@ -82,9 +82,25 @@ impl ChildProc {
 
     /// Starts a RUN and waits until the child's consumer is up.
     pub async fn start_run(&mut self, kind: &str, n: u64) -> Result<()> {
-        self.send(&format!("RUN {kind} {n}")).await?;
+        self.send_run(kind, n).await?;
+        self.wait_started().await
+    }
+
+    /// Sends a RUN without waiting (several children started together: then [`Self::wait_started`]).
+    pub async fn send_run(&mut self, kind: &str, n: u64) -> Result<()> {
+        self.send(&format!("RUN {kind} {n}")).await
+    }
+
+    pub async fn wait_started(&mut self) -> Result<()> {
         self.expect("@@STARTED", Duration::from_secs(60)).await?;
         Ok(())
+    }
+
+    /// The counts of the current RUN so far.
+    pub async fn stat(&mut self) -> Result<Stat> {
+        self.send("STAT").await?;
+        let line = self.expect("@@STAT", Duration::from_secs(10)).await?;
+        serde_json::from_str(&line).context("decoding STAT")
     }
 
     pub async fn wait_done(&mut self, timeout: Duration) -> Result<RunReport> {

@@ -1,13 +1,20 @@
-//! The Markdown report: one table per scenario family, then the targets.
+//! The Markdown report: one table per scenario family, the per-round ratios, then the targets.
+//! Headings start at level 4 under the run's level-3 heading, so the whole output pastes as one
+//! section of BENCHMARKS.md's Results.
 
 use std::fmt::Write;
 
 use crate::child::{QueueKind, Side};
+use crate::config::{MIN_ROUNDS_TO_CONCLUDE, SPREAD_LIMIT};
+use crate::stats::{median, min_max};
 
+/// One side's result in one round of a throughput scenario.
 pub struct ThroughputRow {
     pub scenario: String,
     pub queue: QueueKind,
     pub side: Side,
+    /// 0-based round (set by `rounds_of`).
+    pub round: u32,
     pub messages: u64,
     pub consume_per_s: f64,
     pub publish_per_s: f64,
@@ -17,8 +24,8 @@ pub struct ThroughputRow {
     pub rss_delta_mib: f64,
     /// Consumer process CPU (user + system) per message during the drain, microseconds.
     pub cpu_us_per_msg: f64,
-    /// consume msg/s of every round (the row shows the best).
-    pub runs: Vec<f64>,
+    /// The broker node's CPU per message during the drain, microseconds (None: not readable).
+    pub broker_cpu_us_per_msg: Option<f64>,
 }
 
 pub struct DelayRow {
@@ -52,11 +59,150 @@ impl ParkRow {
     }
 }
 
+/// One round of the scale-out scenario with `processes` worker processes on one queue.
+pub struct ScaleRow {
+    pub processes: usize,
+    pub prefetch: u16,
+    pub messages: u64,
+    /// All processes together: messages / (last delivery handled - first one), any process.
+    pub total_per_s: f64,
+    /// CPU of all the worker processes together, per message.
+    pub cpu_us_per_msg: f64,
+    pub broker_cpu_us_per_msg: Option<f64>,
+    /// Messages handled by the least and the most busy process.
+    pub min_share: u64,
+    pub max_share: u64,
+}
+
+/// Scenario 6: a consumer holding `held` deliveries of `body_kib` KiB at once.
+pub struct InflightRow {
+    pub side: Side,
+    pub held: u64,
+    pub body_kib: f64,
+    /// Consuming, nothing in flight (after a warm-up with 1 KB messages).
+    pub rss_idle_mib: f64,
+    /// When the last of the `held` deliveries arrived.
+    pub rss_held_mib: f64,
+    /// Settled again after they were all acked.
+    pub rss_after_mib: f64,
+    pub peak_rss_mib: f64,
+}
+
+impl InflightRow {
+    pub fn growth_mib(&self) -> f64 {
+        self.rss_held_mib - self.rss_idle_mib
+    }
+    pub fn per_delivery_kib(&self) -> f64 {
+        self.growth_mib() * 1024.0 / self.held.max(1) as f64
+    }
+}
+
+/// Median and min-max of per-round values (ratios of a round pair).
+#[derive(Clone, Debug)]
+pub struct RoundStats {
+    pub values: Vec<f64>,
+    pub median: f64,
+    pub min: f64,
+    pub max: f64,
+}
+
+impl RoundStats {
+    pub fn of(values: Vec<f64>) -> Self {
+        let (min, max) = min_max(&values);
+        RoundStats {
+            median: median(&values),
+            min,
+            max,
+            values,
+        }
+    }
+
+    /// max / min of the values (1.0 for a single one).
+    pub fn spread(&self) -> f64 {
+        if self.min > 0.0 {
+            self.max / self.min
+        } else {
+            f64::INFINITY
+        }
+    }
+
+    /// `Ok` if these rounds allow a conclusion (about `target`, if given), else why not.
+    pub fn conclusive(&self, target: Option<f64>) -> Result<(), String> {
+        if self.values.len() < MIN_ROUNDS_TO_CONCLUDE {
+            return Err(format!(
+                "no: {} round pair(s), {MIN_ROUNDS_TO_CONCLUDE} needed",
+                self.values.len()
+            ));
+        }
+        if self.spread() > SPREAD_LIMIT {
+            return Err(format!(
+                "no: spread {:.2} (max/min) > {SPREAD_LIMIT}",
+                self.spread()
+            ));
+        }
+        if let Some(t) = target {
+            if self.min < t && t <= self.max {
+                return Err(format!(
+                    "no: min-max {:.2}-{:.2} crosses {t}",
+                    self.min, self.max
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    fn cell(&self) -> String {
+        format!("{:.2}-{:.2}", self.min, self.max)
+    }
+}
+
+/// redeliver against one raw side, per round pair of one scenario and queue type.
+pub struct Comparison {
+    pub vs: Side,
+    pub msg_ratio: RoundStats,
+    pub cpu_ratio: RoundStats,
+}
+
 pub struct Target {
     pub name: String,
     pub goal: String,
     pub measured: String,
     pub met: bool,
+    /// For per-round ratios: "yes" or "no: why"; `None` for single measurements.
+    pub conclusive: Option<String>,
+}
+
+impl Target {
+    /// A target on a median of per-round ratios: met on the median; conclusive as
+    /// [`RoundStats::conclusive`] says.
+    pub fn from_ratio(
+        name: String,
+        goal: &str,
+        r: &RoundStats,
+        target: f64,
+        higher_is_better: bool,
+    ) -> Self {
+        let met = if higher_is_better {
+            r.median >= target
+        } else {
+            r.median <= target
+        };
+        Target {
+            name,
+            goal: goal.into(),
+            measured: format!(
+                "median {:.2}x, min-max {} over {} round pairs",
+                r.median,
+                r.cell(),
+                r.values.len()
+            ),
+            met,
+            conclusive: Some(match r.conclusive(Some(target)) {
+                Ok(()) => "yes".into(),
+                Err(why) => why,
+            }),
+        }
+    }
 }
 
 #[derive(Default)]
@@ -64,6 +210,8 @@ pub struct Report {
     pub throughput: Vec<ThroughputRow>,
     pub delay: Vec<DelayRow>,
     pub park: Vec<ParkRow>,
+    pub scale: Vec<ScaleRow>,
+    pub inflight: Vec<InflightRow>,
     pub targets: Vec<Target>,
     pub errors: Vec<String>,
 }
@@ -80,71 +228,100 @@ fn rate(v: f64) -> String {
     }
 }
 
+fn opt1(v: Option<f64>) -> String {
+    v.map(|v| format!("{v:.1}")).unwrap_or_else(|| "n/a".into())
+}
+
+/// Median of `f` over rows, `None` if any row lacks it.
+fn median_opt<'a>(
+    rows: impl Iterator<Item = &'a ThroughputRow>,
+    f: impl Fn(&ThroughputRow) -> Option<f64>,
+) -> Option<f64> {
+    let v: Option<Vec<f64>> = rows.map(f).collect();
+    v.filter(|v| !v.is_empty()).map(|v| median(&v))
+}
+
 impl Report {
-    /// msg/s of one row, if measured.
-    pub fn consume_rate(&self, scenario: &str, queue: QueueKind, side: Side) -> Option<f64> {
+    fn rows<'a>(
+        &'a self,
+        scenario: &'a str,
+        queue: QueueKind,
+        side: Side,
+    ) -> impl Iterator<Item = &'a ThroughputRow> + 'a {
         self.throughput
             .iter()
-            .find(|r| r.scenario == scenario && r.queue == queue && r.side == side)
-            .map(|r| r.consume_per_s)
+            .filter(move |r| r.scenario == scenario && r.queue == queue && r.side == side)
+    }
+
+    /// redeliver / `vs` of every round where both ran, for msg/s and CPU per message.
+    pub fn comparison(&self, scenario: &str, queue: QueueKind, vs: Side) -> Option<Comparison> {
+        let mut msg = Vec::new();
+        let mut cpu = Vec::new();
+        for rd in self.rows(scenario, queue, Side::Redeliver) {
+            if let Some(raw) = self.rows(scenario, queue, vs).find(|r| r.round == rd.round) {
+                if raw.consume_per_s > 0.0 {
+                    msg.push(rd.consume_per_s / raw.consume_per_s);
+                }
+                if raw.cpu_us_per_msg > 0.0 {
+                    cpu.push(rd.cpu_us_per_msg / raw.cpu_us_per_msg);
+                }
+            }
+        }
+        if msg.is_empty() {
+            return None;
+        }
+        Some(Comparison {
+            vs,
+            msg_ratio: RoundStats::of(msg),
+            cpu_ratio: RoundStats::of(cpu),
+        })
+    }
+
+    /// (scenario, queue, side) in the order first measured.
+    fn groups(&self) -> Vec<(String, QueueKind, Side)> {
+        let mut g: Vec<(String, QueueKind, Side)> = Vec::new();
+        for r in &self.throughput {
+            if !g
+                .iter()
+                .any(|(s, q, d)| *s == r.scenario && *q == r.queue && *d == r.side)
+            {
+                g.push((r.scenario.clone(), r.queue, r.side));
+            }
+        }
+        // Sides in a fixed order within a scenario and queue type.
+        let keys: Vec<(usize, usize)> = g
+            .iter()
+            .map(|(s, q, d)| {
+                let first = g
+                    .iter()
+                    .position(|(s2, q2, _)| s2 == s && q2 == q)
+                    .unwrap_or(0);
+                (first, *d as usize)
+            })
+            .collect();
+        let mut keyed: Vec<_> = keys.into_iter().zip(g).collect();
+        keyed.sort_by_key(|(k, _)| *k);
+        keyed.into_iter().map(|(_, g)| g).collect()
     }
 
     pub fn render(&self, header: &str) -> String {
         let mut s = String::new();
         let _ = writeln!(s, "{header}");
         if !self.throughput.is_empty() {
-            let _ = writeln!(s, "\n### Throughput and latency (scenarios 1 and 2)\n");
-            let _ = writeln!(
-                s,
-                "| scenario | queue | side | messages | consume msg/s | publish msg/s | consumer CPU us/msg | p50 latency ms | p99 latency ms | peak RSS MiB | RSS delta MiB | redeliver / raw msg/s | all rounds msg/s |"
-            );
-            let _ = writeln!(
-                s,
-                "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"
-            );
-            for r in &self.throughput {
-                // Against each raw consumer of the same scenario and queue type.
-                let ratio = match r.side {
-                    Side::Raw | Side::RawBatch => String::new(),
-                    Side::Redeliver => [Side::Raw, Side::RawBatch]
-                        .into_iter()
-                        .filter_map(|s| {
-                            self.consume_rate(&r.scenario, r.queue, s)
-                                .filter(|raw| *raw > 0.0)
-                                .map(|raw| {
-                                    format!("**{:.2}x** vs {}", r.consume_per_s / raw, s.short())
-                                })
-                        })
-                        .collect::<Vec<_>>()
-                        .join(", "),
-                };
-                let _ = writeln!(
-                    s,
-                    "| {} | {} | {} | {} | {} | {} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {} | {} |",
-                    r.scenario,
-                    r.queue.name(),
-                    r.side.name(),
-                    r.messages,
-                    rate(r.consume_per_s),
-                    rate(r.publish_per_s),
-                    r.cpu_us_per_msg,
-                    r.p50_ms,
-                    r.p99_ms,
-                    r.peak_rss_mib,
-                    r.rss_delta_mib,
-                    ratio,
-                    r.runs
-                        .iter()
-                        .map(|v| format!("{v:.0}"))
-                        .collect::<Vec<_>>()
-                        .join(" / ")
-                );
-            }
+            self.render_throughput(&mut s);
+            self.render_ratios(&mut s);
+            self.render_retry_split(&mut s);
+        }
+        if !self.scale.is_empty() {
+            self.render_scale(&mut s);
+        }
+        if !self.inflight.is_empty() {
+            self.render_inflight(&mut s);
         }
         if !self.delay.is_empty() {
             let _ = writeln!(
                 s,
-                "\n### Delay accuracy (scenario 3): observed minus intended delay\n"
+                "\n#### Delay accuracy (scenario 3): observed minus intended delay\n"
             );
             let _ = writeln!(
                 s,
@@ -171,7 +348,7 @@ impl Report {
         if !self.park.is_empty() {
             let _ = writeln!(
                 s,
-                "\n### Memory under waiting retries (scenario 4): consumer process RSS\n"
+                "\n#### Memory under waiting retries (scenario 4): consumer process RSS\n"
             );
             let _ = writeln!(
                 s,
@@ -192,26 +369,293 @@ impl Report {
             }
         }
         if !self.targets.is_empty() {
-            let _ = writeln!(s, "\n### Targets (ratios from this run)\n");
-            let _ = writeln!(s, "| target | goal | measured | met |");
-            let _ = writeln!(s, "|---|---|---|---|");
+            let _ = writeln!(s, "\n#### Targets (from this run)\n");
+            let _ = writeln!(s, "| target | goal | measured | met | conclusive |");
+            let _ = writeln!(s, "|---|---|---|---|---|");
             for t in &self.targets {
                 let _ = writeln!(
                     s,
-                    "| {} | {} | {} | {} |",
+                    "| {} | {} | {} | {} | {} |",
                     t.name,
                     t.goal,
                     t.measured,
-                    if t.met { "yes" } else { "**no**" }
+                    if t.met { "yes" } else { "**no**" },
+                    t.conclusive.as_deref().unwrap_or("-")
                 );
             }
         }
         if !self.errors.is_empty() {
-            let _ = writeln!(s, "\n### Errors\n");
+            let _ = writeln!(s, "\n#### Errors\n");
             for e in &self.errors {
                 let _ = writeln!(s, "- {e}");
             }
         }
         s
+    }
+
+    fn render_throughput(&self, s: &mut String) {
+        let _ = writeln!(
+            s,
+            "\n#### Throughput and latency (scenarios 1 and 2): each side's median over its rounds\n"
+        );
+        let _ = writeln!(
+            s,
+            "| scenario | queue | side | rounds | messages | consume msg/s | min-max msg/s | publish msg/s | consumer CPU us/msg | broker CPU us/msg | p50 latency ms | p99 latency ms | peak RSS MiB | RSS delta MiB | every round msg/s |"
+        );
+        let _ = writeln!(
+            s,
+            "|---|---|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---|"
+        );
+        for (scenario, queue, side) in self.groups() {
+            let rows: Vec<&ThroughputRow> = self.rows(&scenario, queue, side).collect();
+            let pick =
+                |f: fn(&ThroughputRow) -> f64| -> Vec<f64> { rows.iter().map(|r| f(r)).collect() };
+            let rates = pick(|r| r.consume_per_s);
+            let (lo, hi) = min_max(&rates);
+            let _ = writeln!(
+                s,
+                "| {scenario} | {} | {} | {} | {} | {} | {}-{} | {} | {:.1} | {} | {:.1} | {:.1} | {:.1} | {:.1} | {} |",
+                queue.name(),
+                side.name(),
+                rows.len(),
+                rows.first().map(|r| r.messages).unwrap_or(0),
+                rate(median(&rates)),
+                rate(lo),
+                rate(hi),
+                rate(median(&pick(|r| r.publish_per_s))),
+                median(&pick(|r| r.cpu_us_per_msg)),
+                opt1(median_opt(rows.iter().copied(), |r| r.broker_cpu_us_per_msg)),
+                median(&pick(|r| r.p50_ms)),
+                median(&pick(|r| r.p99_ms)),
+                min_max(&pick(|r| r.peak_rss_mib)).1,
+                median(&pick(|r| r.rss_delta_mib)),
+                rates
+                    .iter()
+                    .map(|v| format!("{v:.0}"))
+                    .collect::<Vec<_>>()
+                    .join(" / ")
+            );
+        }
+    }
+
+    fn render_ratios(&self, s: &mut String) {
+        let _ = writeln!(
+            s,
+            "\n#### redeliver / raw, per round pair: median and min-max of the per-round ratios\n"
+        );
+        let _ = writeln!(
+            s,
+            "| scenario | queue | redeliver vs | round pairs | msg/s ratio, median | min-max | spread (max/min) | CPU/msg ratio, median | min-max | conclusive (msg/s) | every round's msg/s ratio |"
+        );
+        let _ = writeln!(s, "|---|---|---|---:|---:|---|---:|---:|---|---|---|");
+        let mut seen: Vec<(String, QueueKind)> = Vec::new();
+        for (scenario, queue, _) in self.groups() {
+            if seen.iter().any(|(s2, q2)| *s2 == scenario && *q2 == queue) {
+                continue;
+            }
+            seen.push((scenario.clone(), queue));
+            for vs in [Side::Raw, Side::RawBatch] {
+                let Some(c) = self.comparison(&scenario, queue, vs) else {
+                    continue;
+                };
+                let _ = writeln!(
+                    s,
+                    "| {scenario} | {} | {} | {} | **{:.2}x** | {} | {:.2} | {:.2}x | {} | {} | {} |",
+                    queue.name(),
+                    c.vs.short(),
+                    c.msg_ratio.values.len(),
+                    c.msg_ratio.median,
+                    c.msg_ratio.cell(),
+                    c.msg_ratio.spread(),
+                    c.cpu_ratio.median,
+                    c.cpu_ratio.cell(),
+                    match c.msg_ratio.conclusive(None) {
+                        Ok(()) => "yes".to_string(),
+                        Err(why) => why,
+                    },
+                    c.msg_ratio
+                        .values
+                        .iter()
+                        .map(|v| format!("{v:.2}"))
+                        .collect::<Vec<_>>()
+                        .join(" / ")
+                );
+            }
+        }
+    }
+
+    fn render_retry_split(&self, s: &mut String) {
+        let groups: Vec<_> = self
+            .groups()
+            .into_iter()
+            .filter(|(sc, _, _)| sc.starts_with("retry"))
+            .collect();
+        if groups.is_empty() {
+            return;
+        }
+        let _ = writeln!(
+            s,
+            "\n#### Retry round trip (scenario 2): where the CPU goes, per completed round trip (medians)\n"
+        );
+        let _ = writeln!(
+            s,
+            "| scenario | side | consumer CPU us | broker CPU us | consumer + broker us | broker share |"
+        );
+        let _ = writeln!(s, "|---|---|---:|---:|---:|---:|");
+        for (scenario, queue, side) in groups {
+            let rows: Vec<&ThroughputRow> = self.rows(&scenario, queue, side).collect();
+            let cpu = median(&rows.iter().map(|r| r.cpu_us_per_msg).collect::<Vec<_>>());
+            let broker = median_opt(rows.iter().copied(), |r| r.broker_cpu_us_per_msg);
+            let (total, share) = match broker {
+                Some(b) if b + cpu > 0.0 => (
+                    format!("{:.1}", b + cpu),
+                    format!("{:.0} %", b / (b + cpu) * 100.0),
+                ),
+                _ => ("n/a".into(), "n/a".into()),
+            };
+            let _ = writeln!(
+                s,
+                "| {scenario} | {} | {cpu:.1} | {} | {total} | {share} |",
+                side.name(),
+                opt1(broker)
+            );
+        }
+    }
+
+    fn render_scale(&self, s: &mut String) {
+        let _ = writeln!(
+            s,
+            "\n#### Scale-out (scenario 5): redeliver worker processes on one quorum queue (medians over the rounds)\n"
+        );
+        let _ = writeln!(
+            s,
+            "| worker processes | prefetch per process | unacked at most | rounds | messages | total msg/s | min-max msg/s | msg/s per process | vs 1 process | consumer CPU us/msg (all processes) | broker CPU us/msg | messages per process, min-max |"
+        );
+        let _ = writeln!(
+            s,
+            "|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---|"
+        );
+        let mut procs: Vec<usize> = self.scale.iter().map(|r| r.processes).collect();
+        procs.dedup();
+        procs.sort_unstable();
+        procs.dedup();
+        let total_of = |p: usize| {
+            median(
+                &self
+                    .scale
+                    .iter()
+                    .filter(|r| r.processes == p)
+                    .map(|r| r.total_per_s)
+                    .collect::<Vec<_>>(),
+            )
+        };
+        let one = total_of(1);
+        for p in procs {
+            let rows: Vec<&ScaleRow> = self.scale.iter().filter(|r| r.processes == p).collect();
+            let rates: Vec<f64> = rows.iter().map(|r| r.total_per_s).collect();
+            let (lo, hi) = min_max(&rates);
+            let total = median(&rates);
+            let broker: Option<Vec<f64>> = rows.iter().map(|r| r.broker_cpu_us_per_msg).collect();
+            let prefetch = rows.first().map(|r| r.prefetch).unwrap_or(0);
+            let _ = writeln!(
+                s,
+                "| {p} | {prefetch} | {} | {} | {} | {} | {}-{} | {} | {} | {:.1} | {} | {}-{} |",
+                usize::from(prefetch) * p,
+                rows.len(),
+                rows.first().map(|r| r.messages).unwrap_or(0),
+                rate(total),
+                rate(lo),
+                rate(hi),
+                rate(total / p as f64),
+                if one > 0.0 {
+                    format!("{:.2}x", total / one)
+                } else {
+                    "-".into()
+                },
+                median(&rows.iter().map(|r| r.cpu_us_per_msg).collect::<Vec<_>>()),
+                opt1(broker.map(|b| median(&b))),
+                rows.iter().map(|r| r.min_share).min().unwrap_or(0),
+                rows.iter().map(|r| r.max_share).max().unwrap_or(0),
+            );
+        }
+    }
+
+    fn render_inflight(&self, s: &mut String) {
+        let _ = writeln!(
+            s,
+            "\n#### Memory with the prefetch in flight (scenario 6): consumer process RSS\n"
+        );
+        let _ = writeln!(
+            s,
+            "| side | deliveries held at once | body KiB | RSS consuming, none held MiB | RSS all held MiB | growth MiB | growth per delivery KiB | RSS after acking MiB | peak RSS MiB |"
+        );
+        let _ = writeln!(s, "|---|---:|---:|---:|---:|---:|---:|---:|---:|");
+        for r in &self.inflight {
+            let _ = writeln!(
+                s,
+                "| {} | {} | {:.0} | {:.1} | {:.1} | {:+.1} | {:.1} | {:.1} | {:.1} |",
+                r.side.name(),
+                r.held,
+                r.body_kib,
+                r.rss_idle_mib,
+                r.rss_held_mib,
+                r.growth_mib(),
+                r.per_delivery_kib(),
+                r.rss_after_mib,
+                r.peak_rss_mib
+            );
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn row(side: Side, round: u32, rate: f64, cpu: f64) -> ThroughputRow {
+        ThroughputRow {
+            scenario: "happy".into(),
+            queue: QueueKind::Quorum,
+            side,
+            round,
+            messages: 10,
+            consume_per_s: rate,
+            publish_per_s: 1.0,
+            p50_ms: 1.0,
+            p99_ms: 2.0,
+            peak_rss_mib: 1.0,
+            rss_delta_mib: 1.0,
+            cpu_us_per_msg: cpu,
+            broker_cpu_us_per_msg: None,
+        }
+    }
+
+    #[test]
+    fn ratios_pair_rounds_and_take_the_median() {
+        let mut r = Report::default();
+        for (round, raw, rd) in [(0, 100.0, 90.0), (1, 50.0, 50.0), (2, 100.0, 120.0)] {
+            r.throughput.push(row(Side::RawBatch, round, raw, 10.0));
+            r.throughput.push(row(Side::Redeliver, round, rd, 11.0));
+        }
+        let c = r
+            .comparison("happy", QueueKind::Quorum, Side::RawBatch)
+            .unwrap();
+        assert_eq!(c.msg_ratio.values, vec![0.9, 1.0, 1.2]);
+        assert_eq!(c.msg_ratio.median, 1.0);
+        assert!((c.cpu_ratio.median - 1.1).abs() < 1e-9);
+        // 1.2 / 0.9 = 1.33 > 1.25: too wide.
+        assert!(c.msg_ratio.conclusive(None).is_err());
+        let narrow = RoundStats::of(vec![0.97, 1.0, 1.02]);
+        assert!(narrow.conclusive(None).is_ok());
+        assert!(narrow.conclusive(Some(0.95)).is_ok());
+        // The interval crosses the target.
+        assert!(narrow.conclusive(Some(0.99)).is_err());
+        // Too few rounds.
+        assert!(RoundStats::of(vec![1.0, 1.0]).conclusive(None).is_err());
+        let text = r.render("### test");
+        assert!(
+            text.contains("| happy | quorum | rawb | 3 | **1.00x** |"),
+            "{text}"
+        );
     }
 }

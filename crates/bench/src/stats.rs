@@ -115,22 +115,51 @@ pub fn mem(pid: Option<u32>) -> Result<Mem> {
 /// CPU time (user + system, all threads) this process has used, in microseconds. Clock ticks
 /// are 10 ms (CLK_TCK = 100 on Linux), fine over runs of seconds.
 pub fn cpu_us() -> u64 {
-    let Ok(stat) = std::fs::read_to_string("/proc/self/stat") else {
-        return 0;
-    };
+    read_cpu_us("/proc/self/stat").unwrap_or(0)
+}
+
+/// CPU time (user + system, all threads) of another process on this host, in microseconds:
+/// `None` if its `/proc/<pid>/stat` cannot be read.
+pub fn cpu_us_of(pid: u32) -> Option<u64> {
+    read_cpu_us(&format!("/proc/{pid}/stat"))
+}
+
+fn read_cpu_us(path: &str) -> Option<u64> {
+    let stat = std::fs::read_to_string(path).ok()?;
     // The command name (field 2) may contain spaces; the fields after its ')' are fixed.
-    let Some(rest) = stat.rfind(')').map(|i| &stat[i + 1..]) else {
-        return 0;
-    };
+    let rest = stat.rfind(')').map(|i| &stat[i + 1..])?;
     let fields: Vec<&str> = rest.split_whitespace().collect();
     // utime and stime are fields 14 and 15 of the whole line: 12th and 13th after ')'.
-    let tick = |i: usize| {
-        fields
-            .get(i)
-            .and_then(|f| f.parse::<u64>().ok())
-            .unwrap_or(0)
-    };
-    (tick(11) + tick(12)) * 10_000
+    let tick = |i: usize| fields.get(i).and_then(|f| f.parse::<u64>().ok());
+    Some((tick(11)? + tick(12)?) * 10_000)
+}
+
+/// Median of a sample (the mean of the two middle values for an even count); 0 when empty.
+pub fn median(values: &[f64]) -> f64 {
+    let mut v: Vec<f64> = values.iter().copied().filter(|x| x.is_finite()).collect();
+    if v.is_empty() {
+        return 0.0;
+    }
+    v.sort_by(f64::total_cmp);
+    let n = v.len();
+    if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        (v[n / 2 - 1] + v[n / 2]) / 2.0
+    }
+}
+
+/// Smallest and largest finite value; (0, 0) when empty.
+pub fn min_max(values: &[f64]) -> (f64, f64) {
+    let v = values.iter().copied().filter(|x| x.is_finite());
+    let (lo, hi) = v.fold((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi), x| {
+        (lo.min(x), hi.max(x))
+    });
+    if lo.is_finite() {
+        (lo, hi)
+    } else {
+        (0.0, 0.0)
+    }
 }
 
 #[cfg(test)]
@@ -174,5 +203,16 @@ mod tests {
         }
         std::hint::black_box(x);
         assert!(cpu_us() >= t0);
+        assert!(cpu_us_of(std::process::id()).is_some());
+        assert_eq!(cpu_us_of(u32::MAX), None);
+    }
+
+    #[test]
+    fn medians() {
+        assert_eq!(median(&[]), 0.0);
+        assert_eq!(median(&[3.0, 1.0, 2.0]), 2.0);
+        assert_eq!(median(&[4.0, 1.0, 2.0, 3.0]), 2.5);
+        assert_eq!(min_max(&[2.0, 0.5, 1.0]), (0.5, 2.0));
+        assert_eq!(min_max(&[]), (0.0, 0.0));
     }
 }

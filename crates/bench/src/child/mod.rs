@@ -5,7 +5,10 @@
 //! - parent -> child `RUN ok N` / `RUN fail N`: reset the counters, start consuming if not yet
 //!   (`@@STARTED` once the consumer is up), then `@@DONE {RunReport}` when N messages have been
 //!   handled successfully (`ok`) or failed into a retry (`fail`);
-//! - parent -> child `QUIT`: stop, `@@BYE`, exit.
+//! - parent -> child `RUN hold N`: like `RUN ok N`, but each handler holds its delivery until N
+//!   of them are held at once (the RSS then goes into the report), then they all complete;
+//! - parent -> child `STAT`, at any time: `@@STAT {Stat}`, the current run's counts so far;
+//! - parent -> child `QUIT`, at any time: stop, `@@BYE`, exit.
 //!
 //! Anything else the child writes goes to stderr, which the parent passes through.
 
@@ -22,7 +25,7 @@ use serde::{Deserialize, Serialize};
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio_util::sync::CancellationToken;
 
-pub use probe::{Probe, RunReport};
+pub use probe::{Probe, RunReport, Stat};
 
 use crate::broker;
 use crate::stats;
@@ -167,6 +170,11 @@ fn say(line: &str) {
     let _ = out.flush();
 }
 
+fn say_stat(probe: &Probe) -> Result<()> {
+    say(&format!("@@STAT {}", serde_json::to_string(&probe.stat())?));
+    Ok(())
+}
+
 pub async fn main(url: String, args: ChildArgs) -> Result<()> {
     let probe = Arc::new(Probe::new(args.track_delay));
     let cancel = CancellationToken::new();
@@ -221,19 +229,43 @@ pub async fn main(url: String, args: ChildArgs) -> Result<()> {
                     consumer = Some(handle);
                 }
                 say("@@STARTED");
-                let last_ns = tokio::select! {
-                    r = done => r.map_err(|_| anyhow!("probe dropped"))?,
-                    r = async { consumer.as_mut().expect("set above").await } => {
-                        return match r {
-                            Ok(Ok(())) => Err(anyhow!("consumer stopped unexpectedly")),
-                            Ok(Err(e)) => Err(e.context("consumer failed")),
-                            Err(e) => Err(anyhow!("consumer task panicked: {e}")),
-                        };
+                // Serve STAT (and QUIT) while the run goes on: scale-out runs are completed by
+                // the parent, which adds up the counts of several processes.
+                let mut done = done;
+                let mut quit = false;
+                loop {
+                    tokio::select! {
+                        r = &mut done => {
+                            let last_ns = r.map_err(|_| anyhow!("probe dropped"))?;
+                            let report = probe.report(last_ns, baseline.rss_kb)?;
+                            say(&format!("@@DONE {}", serde_json::to_string(&report)?));
+                            break;
+                        }
+                        l = lines.next_line() => {
+                            match l.context("reading stdin")?.as_deref().map(str::trim) {
+                                Some("STAT") => say_stat(&probe)?,
+                                Some("QUIT") | None => {
+                                    quit = true;
+                                    break;
+                                }
+                                Some("") => {}
+                                Some(other) => bail!("unknown command during a run: {other:?}"),
+                            }
+                        }
+                        r = async { consumer.as_mut().expect("set above").await } => {
+                            return match r {
+                                Ok(Ok(())) => Err(anyhow!("consumer stopped unexpectedly")),
+                                Ok(Err(e)) => Err(e.context("consumer failed")),
+                                Err(e) => Err(anyhow!("consumer task panicked: {e}")),
+                            };
+                        }
                     }
-                };
-                let report = probe.report(last_ns, baseline.rss_kb)?;
-                say(&format!("@@DONE {}", serde_json::to_string(&report)?));
+                }
+                if quit {
+                    break;
+                }
             }
+            ["STAT"] => say_stat(&probe)?,
             ["QUIT"] => break,
             [] => {}
             other => bail!("unknown command {other:?}"),

@@ -2,12 +2,13 @@
 //! One mutex, taken once per message on both sides, so it costs them the same.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, Result};
 use serde::{Deserialize, Serialize};
-use tokio::sync::oneshot;
+use tokio::sync::{oneshot, watch};
 
 use crate::payload::{now_ns, PayloadIn};
 use crate::stats::{self, Histogram};
@@ -16,6 +17,9 @@ use crate::stats::{self, Histogram};
 pub enum Kind {
     Ok,
     Fail,
+    /// Like `Ok`, but every handler holds its delivery until `target` of them are held at once
+    /// (scenario 6: RSS with the whole prefetch in flight), then all complete.
+    Hold,
 }
 
 impl Kind {
@@ -23,6 +27,7 @@ impl Kind {
         match s {
             "ok" => Ok(Kind::Ok),
             "fail" => Ok(Kind::Fail),
+            "hold" => Ok(Kind::Hold),
             other => bail!("unknown RUN kind '{other}'"),
         }
     }
@@ -33,8 +38,12 @@ impl Kind {
 pub struct RunReport {
     pub ok: u64,
     pub fail: u64,
-    /// Unix ns: RUN received, and the event that reached the target.
+    /// Unix ns: RUN received, the first delivery handled (ok or failed), and the event that
+    /// reached the target. Drain rates run from `first_ns`: neither side's connection or
+    /// consumer setup is timed.
     pub go_ns: u64,
+    #[serde(default)]
+    pub first_ns: u64,
     pub last_ns: u64,
     /// Publish -> handler, over the successful deliveries of this RUN, microseconds.
     pub lat_p50_us: u64,
@@ -47,6 +56,21 @@ pub struct RunReport {
     pub baseline_rss_kb: u64,
     pub rss_kb: u64,
     pub hwm_kb: u64,
+    /// `RUN hold`: RSS when all `target` deliveries were held at once.
+    #[serde(default)]
+    pub held_rss_kb: u64,
+}
+
+/// A snapshot of the current RUN (`STAT`), for runs no single process completes (scale-out).
+#[derive(Serialize, Deserialize, Debug, Clone, Copy, Default)]
+pub struct Stat {
+    pub ok: u64,
+    pub fail: u64,
+    /// Unix ns of the first and the latest delivery handled in this RUN (0: none yet).
+    pub first_ns: u64,
+    pub last_ns: u64,
+    /// CPU time of the process since the RUN started, microseconds.
+    pub cpu_us: u64,
 }
 
 struct Inner {
@@ -55,7 +79,11 @@ struct Inner {
     ok: u64,
     fail: u64,
     go_ns: u64,
+    first_ns: u64,
+    last_event_ns: u64,
     cpu0_us: u64,
+    held: u64,
+    held_rss_kb: u64,
     hist: Histogram,
     first_fail: HashMap<u64, Instant>,
     delay_errors: Vec<(u32, i64)>,
@@ -65,6 +93,10 @@ struct Inner {
 pub struct Probe {
     track_delay: bool,
     inner: Mutex<Inner>,
+    /// A `RUN hold` is waiting for its deliveries to pile up (checked by every delivery, on both
+    /// sides alike: one relaxed load).
+    holding: AtomicBool,
+    release: watch::Sender<bool>,
 }
 
 impl Probe {
@@ -77,12 +109,18 @@ impl Probe {
                 ok: 0,
                 fail: 0,
                 go_ns: 0,
+                first_ns: 0,
+                last_event_ns: 0,
                 cpu0_us: 0,
+                held: 0,
+                held_rss_kb: 0,
                 hist: Histogram::default(),
                 first_fail: HashMap::new(),
                 delay_errors: Vec::new(),
                 done: None,
             }),
+            holding: AtomicBool::new(false),
+            release: watch::channel(false).0,
         }
     }
 
@@ -100,11 +138,68 @@ impl Probe {
         g.ok = 0;
         g.fail = 0;
         g.go_ns = now_ns();
+        g.first_ns = 0;
+        g.last_event_ns = 0;
         g.cpu0_us = stats::cpu_us();
+        g.held = 0;
+        g.held_rss_kb = 0;
         g.hist = Histogram::default();
         g.delay_errors.clear();
         g.done = Some(tx);
+        let hold = kind == Kind::Hold;
+        drop(g);
+        self.release.send_replace(!hold);
+        self.holding.store(hold, Ordering::Release);
         rx
+    }
+
+    /// Whether deliveries are being held (`RUN hold`): the raw consumer then gives each one a
+    /// task of its own, as the worker does.
+    pub fn holding(&self) -> bool {
+        self.holding.load(Ordering::Relaxed)
+    }
+
+    /// In a `RUN hold`, waits until `target` deliveries are held at once; the last one to
+    /// arrive samples the RSS (after a short settle) and releases them all. Returns at once
+    /// otherwise.
+    pub async fn hold(&self) {
+        if !self.holding() {
+            return;
+        }
+        let mut rx = self.release.subscribe();
+        let last = {
+            let mut g = self.lock();
+            g.held += 1;
+            g.held == g.target
+        };
+        if last {
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            let rss = stats::mem(None).map(|m| m.rss_kb).unwrap_or(0);
+            self.lock().held_rss_kb = rss;
+            self.holding.store(false, Ordering::Release);
+            self.release.send_replace(true);
+        } else {
+            let _ = rx.wait_for(|released| *released).await;
+        }
+    }
+
+    fn event(g: &mut Inner, now: u64) {
+        if g.first_ns == 0 {
+            g.first_ns = now;
+        }
+        g.last_event_ns = now;
+    }
+
+    /// The current RUN so far.
+    pub fn stat(&self) -> Stat {
+        let g = self.lock();
+        Stat {
+            ok: g.ok,
+            fail: g.fail,
+            first_ns: g.first_ns,
+            last_ns: g.last_event_ns,
+            cpu_us: stats::cpu_us().saturating_sub(g.cpu0_us),
+        }
     }
 
     /// A delivery handled successfully.
@@ -118,8 +213,9 @@ impl Probe {
                 g.delay_errors.push((ms, err_us));
             }
         }
+        Self::event(&mut g, now);
         g.ok += 1;
-        if g.kind == Kind::Ok && g.ok == g.target {
+        if matches!(g.kind, Kind::Ok | Kind::Hold) && g.ok == g.target {
             if let Some(tx) = g.done.take() {
                 let _ = tx.send(now);
             }
@@ -133,6 +229,7 @@ impl Probe {
         if self.track_delay {
             g.first_fail.insert(p.seq, Instant::now());
         }
+        Self::event(&mut g, now);
         g.fail += 1;
         if g.kind == Kind::Fail && g.fail == g.target {
             if let Some(tx) = g.done.take() {
@@ -151,6 +248,7 @@ impl Probe {
             ok: g.ok,
             fail: g.fail,
             go_ns: g.go_ns,
+            first_ns: g.first_ns,
             last_ns,
             lat_p50_us: g.hist.percentile(0.50),
             lat_p99_us: g.hist.percentile(0.99),
@@ -160,6 +258,7 @@ impl Probe {
             baseline_rss_kb,
             rss_kb: mem.rss_kb,
             hwm_kb: mem.hwm_kb,
+            held_rss_kb: g.held_rss_kb,
         })
     }
 }

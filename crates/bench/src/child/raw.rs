@@ -110,6 +110,20 @@ pub async fn start(
                         d,
                     ));
                 }
+                _ if probe.holding() => {
+                    // Scenario 6: hold the delivery (body included) in a task of its own until
+                    // the whole prefetch is held, as the worker's handlers do.
+                    let probe = probe.clone();
+                    tokio::spawn(async move {
+                        // The whole delivery moves in (not just its acker): its body stays held.
+                        let delivery = d;
+                        probe.hold().await;
+                        probe.on_ok(&p);
+                        if let Err(e) = delivery.acker.ack(BasicAckOptions::default()).await {
+                            eprintln!("raw: ack failed: {e}");
+                        }
+                    });
+                }
                 _ if batch > 0 => {
                     probe.on_ok(&p);
                     pending = Some(d.acker);

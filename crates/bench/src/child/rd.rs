@@ -53,7 +53,10 @@ pub async fn start(
                         }
                     }
                     _ => {
+                        // Scenario 6 holds the delivery (and `ctx`, which shares it) here.
+                        probe.hold().await;
                         probe.on_ok(&msg);
+                        drop(ctx);
                         Ok(())
                     }
                 }

@@ -5,14 +5,14 @@
 
 use anyhow::Result;
 
-use super::{best_of, ms, per_second, Ctx};
+use super::{ms, rounds_of, Ctx};
 use crate::child::{QueueKind, Side};
 use crate::proc_ctl::ChildProc;
 use crate::report::{mib, Report, ThroughputRow};
 
 pub async fn run(ctx: &Ctx, report: &mut Report) -> Result<()> {
     for queue in [QueueKind::Quorum, QueueKind::Classic] {
-        let rows = best_of(
+        let rows = rounds_of(
             ctx.sizes.rounds,
             &[Side::Raw, Side::RawBatch, Side::Redeliver],
             |side, round| one(ctx, queue, side, round),
@@ -33,7 +33,7 @@ async fn one(ctx: &Ctx, queue: QueueKind, side: Side, round: u32) -> Result<Thro
         let mut child = ChildProc::spawn(&ctx.url, &args).await?;
         let publisher = ctx.publisher(side).await?;
         let published = publisher.backlog(&name, n, &|_| None).await?;
-        let drain = child.run("ok", n, Ctx::timeout_for(n)).await?;
+        let drain = ctx.drain(&mut child, "ok", n, Ctx::timeout_for(n)).await?;
 
         let paced = ctx.sizes.paced;
         child.start_run("ok", paced).await?;
@@ -46,15 +46,16 @@ async fn one(ctx: &Ctx, queue: QueueKind, side: Side, round: u32) -> Result<Thro
             scenario: "happy".into(),
             queue,
             side,
+            round,
             messages: n,
-            consume_per_s: per_second(n, &drain),
+            consume_per_s: drain.rate(n),
             publish_per_s: n as f64 / published.as_secs_f64(),
             p50_ms: ms(lat.lat_p50_us),
             p99_ms: ms(lat.lat_p99_us),
             peak_rss_mib: mib(lat.hwm_kb),
             rss_delta_mib: mib(lat.hwm_kb.saturating_sub(lat.baseline_rss_kb)),
-            cpu_us_per_msg: drain.cpu_us as f64 / n as f64,
-            runs: Vec::new(),
+            cpu_us_per_msg: drain.cpu_us_per_msg(n),
+            broker_cpu_us_per_msg: drain.broker_us_per_msg(n),
         })
     }
     .await;

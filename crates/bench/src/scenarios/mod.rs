@@ -2,8 +2,10 @@
 
 mod delay;
 mod happy;
+mod inflight;
 mod park;
 mod retry;
+mod scale;
 
 use std::path::PathBuf;
 use std::sync::atomic::AtomicU64;
@@ -17,10 +19,12 @@ use redeliver_amqp::Topology;
 
 use crate::broker;
 use crate::child::{self, ChildArgs, QueueKind, RunReport, Side};
-use crate::config::{Scenario, Sizes, CONCURRENCY, PREFETCH};
+use crate::config::{Scenario, Sizes, CONCURRENCY, MIN_ROUNDS_TO_CONCLUDE, PREFETCH, SPREAD_LIMIT};
 use crate::payload;
+use crate::proc_ctl::ChildProc;
 use crate::publish::BenchPublisher;
 use crate::report::{Report, Target, ThroughputRow};
+use crate::stats;
 
 pub struct RunOptions {
     pub url: String,
@@ -29,17 +33,21 @@ pub struct RunOptions {
     pub short: bool,
     pub only: Vec<Scenario>,
     pub out: Option<PathBuf>,
+    /// The broker's beam.smp pid (`--broker-pid`); found through the management API if unset.
+    pub broker_pid: Option<u32>,
 }
 
 /// What every scenario needs: the parent's connection, the run prefix and delay levels.
 pub struct Ctx {
     pub url: String,
-    pub management_url: String,
     pub conn: Connection,
     pub prefix: String,
     delay_quorum: DelayConfig,
     delay_classic: DelayConfig,
     pub sizes: Sizes,
+    /// The broker node's OS process, when it runs on this host (broker CPU figures).
+    pub broker_pid: Option<u32>,
+    broker_version: String,
     pad: Arc<str>,
     seq: Arc<AtomicU64>,
     declared: Mutex<Vec<Topology>>,
@@ -95,14 +103,46 @@ impl Ctx {
     }
 
     pub async fn publisher(&self, side: Side) -> Result<BenchPublisher> {
+        self.publisher_padded(side, self.pad.clone()).await
+    }
+
+    /// A publisher whose bodies are about `bytes` long instead of 1 KB.
+    pub async fn publisher_sized(&self, side: Side, bytes: usize) -> Result<BenchPublisher> {
+        self.publisher_padded(side, payload::padding_for(bytes).into())
+            .await
+    }
+
+    async fn publisher_padded(&self, side: Side, pad: Arc<str>) -> Result<BenchPublisher> {
         BenchPublisher::new(
             side,
             &self.conn,
             self.delay_quorum.clone(),
-            self.pad.clone(),
+            pad,
             self.seq.clone(),
         )
         .await
+    }
+
+    /// CPU time the broker node has used so far, microseconds (`None`: not on this host).
+    pub fn broker_cpu_us(&self) -> Option<u64> {
+        self.broker_pid.and_then(stats::cpu_us_of)
+    }
+
+    /// One timed drain: `RUN kind n` on the child, with the broker's CPU time read before the
+    /// RUN and after its DONE.
+    pub async fn drain(
+        &self,
+        child: &mut ChildProc,
+        kind: &str,
+        n: u64,
+        timeout: Duration,
+    ) -> Result<Drain> {
+        let b0 = self.broker_cpu_us();
+        let report = child.run(kind, n, timeout).await?;
+        let broker_us = b0
+            .zip(self.broker_cpu_us())
+            .map(|(a, b)| b.saturating_sub(a));
+        Ok(Drain { report, broker_us })
     }
 
     pub fn child_args(
@@ -130,9 +170,29 @@ impl Ctx {
     }
 }
 
-/// Messages per second between the RUN command and the event that completed it.
+/// A timed drain: the child's report and the broker's CPU time over it.
+pub struct Drain {
+    pub report: RunReport,
+    pub broker_us: Option<u64>,
+}
+
+impl Drain {
+    pub fn rate(&self, n: u64) -> f64 {
+        per_second(n, &self.report)
+    }
+    pub fn cpu_us_per_msg(&self, n: u64) -> f64 {
+        self.report.cpu_us as f64 / n.max(1) as f64
+    }
+    pub fn broker_us_per_msg(&self, n: u64) -> Option<f64> {
+        self.broker_us.map(|b| b as f64 / n.max(1) as f64)
+    }
+}
+
+/// Messages per second between the first delivery the consumer handled and the event that
+/// completed the run (the consumer's connection and setup are not timed, on either side).
 pub fn per_second(n: u64, r: &RunReport) -> f64 {
-    let secs = r.last_ns.saturating_sub(r.go_ns) as f64 / 1e9;
+    let start = if r.first_ns > 0 { r.first_ns } else { r.go_ns };
+    let secs = r.last_ns.saturating_sub(start) as f64 / 1e9;
     if secs > 0.0 {
         n as f64 / secs
     } else {
@@ -140,10 +200,11 @@ pub fn per_second(n: u64, r: &RunReport) -> f64 {
     }
 }
 
-/// Runs `one` for both sides `rounds` times, alternating which side goes first (the broker
-/// shares the machine: whatever else runs slows one run, never speeds one up, so the best of the
-/// rounds is each side's figure, and every round's rate is kept in the row).
-pub async fn best_of<'a, F, Fut>(
+/// Runs `one` for every side `rounds` times, interleaved: A B C, then C B A, and so on (the
+/// first side of a round is the last of the one before, so no side always runs on a broker that
+/// just drained the same side's queue). Every round's row is kept; the report pairs the sides of
+/// the same round and takes medians.
+pub async fn rounds_of<'a, F, Fut>(
     rounds: u32,
     sides: &[Side],
     mut one: F,
@@ -152,37 +213,43 @@ where
     F: FnMut(Side, u32) -> Fut + 'a,
     Fut: std::future::Future<Output = Result<ThroughputRow>> + 'a,
 {
-    let mut best: Vec<ThroughputRow> = Vec::new();
-    let mut runs: [Vec<f64>; 3] = [Vec::new(), Vec::new(), Vec::new()];
+    let mut rows: Vec<ThroughputRow> = Vec::new();
     for round in 0..rounds.max(1) {
         let mut order = sides.to_vec();
         if round % 2 == 1 {
             order.reverse();
         }
         for side in order {
-            let row = one(side, round).await?;
+            let mut row = one(side, round).await?;
+            row.round = round;
             eprintln!(
-                "   round {} {} {}: {:.0} msg/s consume ({:.1} us CPU/msg), {:.0} msg/s publish, p50 {:.1} ms, p99 {:.1} ms",
+                "   round {} {} {} {}: {:.0} msg/s consume ({:.1} us CPU/msg, broker {}), {:.0} msg/s publish, p50 {:.1} ms, p99 {:.1} ms",
                 round + 1,
                 row.scenario,
+                row.queue.name(),
                 side.name(),
                 row.consume_per_s,
                 row.cpu_us_per_msg,
+                row.broker_cpu_us_per_msg
+                    .map(|b| format!("{b:.1} us/msg"))
+                    .unwrap_or_else(|| "n/a".into()),
                 row.publish_per_s,
                 row.p50_ms,
                 row.p99_ms
             );
-            runs[side as usize].push(row.consume_per_s);
-            match best.iter_mut().find(|b| b.side == side) {
-                Some(b) if b.consume_per_s >= row.consume_per_s => {}
-                Some(b) => *b = row,
-                None => best.push(row),
-            }
+            rows.push(row);
         }
     }
-    best.sort_by_key(|r| r.side as usize);
-    for b in &mut best {
-        b.runs = runs[b.side as usize].clone();
+    Ok(rows)
+}
+
+/// RSS of a child once it has settled: the largest of 8 samples a quarter second apart, after 2 s.
+pub async fn settled_rss(pid: u32) -> Result<u64> {
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let mut best = 0;
+    for _ in 0..8 {
+        best = best.max(stats::mem(Some(pid))?.rss_kb);
+        tokio::time::sleep(Duration::from_millis(250)).await;
     }
     Ok(best)
 }
@@ -191,36 +258,64 @@ pub fn ms(us: u64) -> f64 {
     us as f64 / 1000.0
 }
 
-const LEGEND: &str = "Sides: **raw** = hand-written lapin consumer acking each message \
+/// What the report measured and how; printed above the tables.
+fn legend(rounds: u32) -> String {
+    format!(
+        "Sides: **raw** = hand-written lapin consumer acking each message \
 (`delivery.ack(..).await`, as lapin's examples do); **rawb** = the same with `multiple = true` acks \
-every 20 messages (10 % of the prefetch) and on idle; **redeliver** = `Worker` + `Publisher`. \
-consume msg/s = drain rate of a pre-published backlog (retry: completed round trips); latency = \
-publish -> handler in a second phase published at a fixed rate; CPU and RSS are the consumer \
-process's own (each consumer runs in a child process; RSS delta = peak minus before connecting). \
-Scenarios 1-2 run every side in alternating order and report each side's best round.";
+every 20 messages (10 % of the prefetch) and on idle; **redeliver** = `Worker` + `Publisher`.\n\n\
+Method: scenarios 1, 2 and 5 run {rounds} interleaved round(s) per side (A B C, then C B A, ...). \
+consume msg/s = drain rate of a pre-published backlog, from the first delivery handled to the last \
+(retry: completed round trips); each side's figures are the median over its rounds, with min-max. \
+The ratios pair the two sides of the same round (redeliver / raw of round 1, of round 2, ...) and \
+report the median of those per-round ratios with their min-max. A ratio is *conclusive* with at \
+least {MIN_ROUNDS_TO_CONCLUDE} round pairs, a spread (max / min of the per-round ratios) of at most \
+{SPREAD_LIMIT} and, for a target, a min-max interval that does not cross the target value. \
+consumer CPU = user + system time of the consumer process (each consumer runs in a child process) \
+during the drain, per message; broker CPU = the same for the RabbitMQ node's OS process \
+(`/proc/<pid>/stat` of its beam.smp; n/a when the broker is not on this host), which also counts \
+whatever else uses that broker meanwhile. Latency = publish -> handler in a second phase published \
+at a fixed rate. RSS is the consumer process's own (RSS delta = peak minus before connecting)."
+    )
+}
 
 pub async fn run_all(opts: RunOptions) -> Result<()> {
     let conn = broker::connect(&opts.url).await?;
     let prefix = broker::run_prefix();
     let delay_quorum = child::delay_config(&prefix, QueueKind::Quorum);
     let delay_classic = child::delay_config(&prefix, QueueKind::Classic);
+    let broker_pid = match opts.broker_pid {
+        Some(pid) if broker::is_beam(pid) => Some(pid),
+        Some(pid) => {
+            eprintln!("note: --broker-pid {pid} is not a beam.smp process here: broker CPU n/a");
+            None
+        }
+        None => broker::broker_pid(&opts.management_url),
+    };
     let ctx = Ctx {
         url: opts.url.clone(),
-        management_url: opts.management_url.clone(),
         conn,
         prefix: prefix.clone(),
         delay_quorum,
         delay_classic,
         sizes: opts.sizes.clone(),
+        broker_pid,
+        broker_version: broker::management_version(&opts.management_url)
+            .unwrap_or_else(|| "(version unknown: management API unreachable)".into()),
         pad: payload::padding().into(),
         seq: Arc::new(AtomicU64::new(0)),
         declared: Mutex::new(Vec::new()),
     };
     eprintln!(
-        "redeliver-bench{}: prefix '{prefix}', broker {}",
+        "redeliver-bench{}: prefix '{prefix}', broker {} (OS pid {}), {} round(s)",
         if opts.short { " --short" } else { "" },
-        redeliver_amqp::url::redact(&opts.url)
+        redeliver_amqp::url::redact(&opts.url),
+        broker_pid
+            .map(|p| p.to_string())
+            .unwrap_or_else(|| "unknown: broker CPU n/a".into()),
+        opts.sizes.rounds
     );
+    let run_started = std::time::Instant::now();
     let load_start = loadavg();
     let mut report = Report::default();
     let run = run_scenarios(&ctx, &opts.only, &mut report);
@@ -255,16 +350,32 @@ pub async fn run_all(opts: RunOptions) -> Result<()> {
     }
     let _ = ctx.conn.close(200, "bench done".into()).await;
 
+    // URLs may carry a password: the recorded command shows where they went, not what they are.
+    let command = std::env::args()
+        .skip(1)
+        .map(|a| match a.split_once('=') {
+            Some((flag, v)) if flag.starts_with("--") && v.contains("://") => format!("{flag}=URL"),
+            _ if a.contains("://") => "URL".to_string(),
+            _ => a,
+        })
+        .collect::<Vec<_>>()
+        .join(" ");
     let header = format!(
-        "## redeliver-bench{} results\n\n{} Load average (1/5/15 min) at start {load_start}, at the end {}: \
-         everything else on the host competes for the same CPUs as the broker.\n\n{LEGEND}",
+        "### redeliver-bench{} results, RabbitMQ {}\n\nCommand: `redeliver-bench{}{command}` ({} rounds; run took {}). \
+         {} Load average (1/5/15 min) at start {load_start}, at the end {}: \
+         everything else on the host competes for the same CPUs as the broker.\n\n{}",
         if opts.short {
-            " (--short: sizes too small for meaningful numbers)"
+            " --short (sizes too small for meaningful numbers)"
         } else {
             ""
         },
+        ctx.broker_version,
+        if command.is_empty() { "" } else { " " },
+        opts.sizes.rounds,
+        elapsed(run_started.elapsed()),
         machine_line(&ctx),
-        loadavg()
+        loadavg(),
+        legend(opts.sizes.rounds)
     );
     let text = report.render(&header);
     println!("{text}");
@@ -291,6 +402,8 @@ async fn run_scenarios(ctx: &Ctx, only: &[Scenario], report: &mut Report) -> Res
             Scenario::Retry => retry::run(ctx, report).await,
             Scenario::Delay => delay::run(ctx, report).await,
             Scenario::Park => park::run(ctx, report).await,
+            Scenario::Scale => scale::run(ctx, report).await,
+            Scenario::Inflight => inflight::run(ctx, report).await,
         };
         if let Err(e) = r {
             eprintln!("scenario {s:?} failed: {e:#}");
@@ -302,42 +415,36 @@ async fn run_scenarios(ctx: &Ctx, only: &[Scenario], report: &mut Report) -> Res
 
 fn add_targets(report: &mut Report) {
     let mut targets = Vec::new();
+    let happy = |q: QueueKind| ("happy".to_string(), q, format!("happy path, {}", q.name()));
     for q in [QueueKind::Quorum, QueueKind::Classic] {
-        // Against the faster of the two raw consumers of this run.
-        let raw = [Side::Raw, Side::RawBatch]
-            .into_iter()
-            .filter_map(|s| report.consume_rate("happy", q, s).map(|r| (s, r)))
-            .max_by(|a, b| a.1.total_cmp(&b.1));
-        if let (Some(rd), Some((raw_side, raw))) =
-            (report.consume_rate("happy", q, Side::Redeliver), raw)
-        {
-            let ratio = rd / raw;
-            targets.push(Target {
-                name: format!("happy path, {}", q.name()),
-                goal: "redeliver >= 0.95 x the faster raw consumer's msg/s".into(),
-                measured: format!(
-                    "{ratio:.2}x ({rd:.0} vs {raw:.0} msg/s, {})",
-                    raw_side.name()
-                ),
-                met: ratio >= 0.95,
-            });
+        let (scenario, q, name) = happy(q);
+        if let Some(c) = report.comparison(&scenario, q, Side::RawBatch) {
+            targets.push(Target::from_ratio(
+                format!("{name}: msg/s"),
+                "redeliver / rawb >= 0.95 (median of per-round ratios)",
+                &c.msg_ratio,
+                0.95,
+                true,
+            ));
+            targets.push(Target::from_ratio(
+                format!("{name}: consumer CPU per message"),
+                "redeliver / rawb <= 1.05 (median of per-round ratios)",
+                &c.cpu_ratio,
+                1.05,
+                false,
+            ));
         }
     }
-    if let (Some(retry_rate), Some(happy)) = (
-        report.consume_rate(
-            &retry::label(QueueKind::Quorum),
-            QueueKind::Quorum,
-            Side::Redeliver,
-        ),
-        report.consume_rate("happy", QueueKind::Quorum, Side::Redeliver),
-    ) {
-        let ratio = retry_rate / happy;
-        targets.push(Target {
-            name: "retry path (quorum queue, quorum delay levels)".into(),
-            goal: ">= 0.4 x redeliver happy-path msg/s (quorum)".into(),
-            measured: format!("{ratio:.2}x ({retry_rate:.0} vs {happy:.0} msg/s)"),
-            met: ratio >= 0.4,
-        });
+    for levels in [QueueKind::Quorum, QueueKind::Classic] {
+        if let Some(c) = report.comparison(&retry::label(levels), QueueKind::Quorum, Side::Raw) {
+            targets.push(Target::from_ratio(
+                format!("retry round trip, {} delay levels: msg/s", levels.name()),
+                "redeliver / raw doing the same round trip >= 0.9",
+                &c.msg_ratio,
+                0.9,
+                true,
+            ));
+        }
     }
     for d in report.delay.iter().filter(|d| d.side == Side::Redeliver) {
         targets.push(Target {
@@ -348,6 +455,7 @@ fn add_targets(report: &mut Report) {
                 d.p99_excess_ms, d.within_target_pct
             ),
             met: d.p99_excess_ms <= 50.0,
+            conclusive: None,
         });
     }
     for p in report.park.iter().filter(|p| p.side == Side::Redeliver) {
@@ -361,6 +469,7 @@ fn add_targets(report: &mut Report) {
                 p.growth_pct()
             ),
             met: p.growth_pct().abs() <= 10.0,
+            conclusive: None,
         });
     }
     report.targets = targets;
@@ -385,10 +494,23 @@ fn machine_line(ctx: &Ctx) -> String {
                 .and_then(|n| n.parse::<u64>().ok())
         })
         .unwrap_or(0);
-    let version = broker::management_version(&ctx.management_url)
-        .unwrap_or_else(|| "(version unknown: management API unreachable)".into());
     format!(
-        "Machine: {cpus} CPUs, {:.1} GiB RAM; RabbitMQ {version} on the same host; prefetch {PREFETCH}, worker concurrency {CONCURRENCY}, ~1 KB persistent JSON messages.",
-        mem_kb as f64 / 1024.0 / 1024.0
+        "Machine: {cpus} CPUs, {:.1} GiB RAM; RabbitMQ {}{}; prefetch {PREFETCH} per consumer, worker concurrency {CONCURRENCY}, ~1 KB persistent JSON messages.",
+        mem_kb as f64 / 1024.0 / 1024.0,
+        ctx.broker_version,
+        if ctx.broker_pid.is_some() {
+            " on the same host"
+        } else {
+            " (broker process not found on this host: broker CPU n/a)"
+        }
     )
+}
+
+fn elapsed(d: Duration) -> String {
+    let s = d.as_secs();
+    if s >= 60 {
+        format!("{} min {} s", s / 60, s % 60)
+    } else {
+        format!("{s} s")
+    }
 }

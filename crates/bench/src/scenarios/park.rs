@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use anyhow::{bail, Result};
 
-use super::Ctx;
+use super::{settled_rss, Ctx};
 use crate::broker;
 use crate::child::{QueueKind, Side};
 use crate::config::{PARK_DELAY, RETRY_DELAY};
@@ -42,17 +42,6 @@ async fn parked(ctx: &Ctx) -> Result<u64> {
         total += u64::from(broker::queue_count(&ctx.conn, &delay.level_name(k)).await?);
     }
     Ok(total)
-}
-
-/// RSS of the child once it has settled: the largest of a few samples a quarter second apart.
-async fn settled_rss(pid: u32) -> Result<u64> {
-    tokio::time::sleep(Duration::from_secs(2)).await;
-    let mut best = 0;
-    for _ in 0..8 {
-        best = best.max(stats::mem(Some(pid))?.rss_kb);
-        tokio::time::sleep(Duration::from_millis(250)).await;
-    }
-    Ok(best)
 }
 
 async fn one(ctx: &Ctx, side: Side) -> Result<ParkRow> {

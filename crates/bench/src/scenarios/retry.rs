@@ -2,10 +2,11 @@
 //! delay levels. msg/s counts messages that completed the whole round trip (first delivery,
 //! confirmed copy into the delay levels, ack, TTL hop, dead-lettering back to the queue, second
 //! delivery, ack). Run with redeliver's default quorum delay levels, then with classic ones.
+//! The broker's CPU over the drain is read too: the round trip is mostly broker work.
 
 use anyhow::Result;
 
-use super::{best_of, ms, per_second, Ctx};
+use super::{ms, rounds_of, Ctx};
 use crate::child::{QueueKind, Side};
 use crate::config::RETRY_DELAY;
 use crate::proc_ctl::ChildProc;
@@ -21,14 +22,11 @@ pub fn label(levels: QueueKind) -> String {
 
 pub async fn run(ctx: &Ctx, report: &mut Report) -> Result<()> {
     for levels in [QueueKind::Quorum, QueueKind::Classic] {
-        let rounds = if levels == QueueKind::Quorum {
-            ctx.sizes.rounds
-        } else {
-            1
-        };
-        let rows = best_of(rounds, &[Side::Raw, Side::Redeliver], |side, round| {
-            one(ctx, levels, side, round)
-        })
+        let rows = rounds_of(
+            ctx.sizes.rounds,
+            &[Side::Raw, Side::Redeliver],
+            |side, round| one(ctx, levels, side, round),
+        )
         .await?;
         report.throughput.extend(rows);
     }
@@ -47,7 +45,9 @@ async fn one(ctx: &Ctx, levels: QueueKind, side: Side, round: u32) -> Result<Thr
         let mut child = ChildProc::spawn(&ctx.url, &args).await?;
         let publisher = ctx.publisher(side).await?;
         let published = publisher.backlog(&name, n, &fail_once).await?;
-        let drain = child.run("ok", n, Ctx::timeout_for(n * 2)).await?;
+        let drain = ctx
+            .drain(&mut child, "ok", n, Ctx::timeout_for(n * 2))
+            .await?;
 
         let paced = ctx.sizes.paced / 2;
         child.start_run("ok", paced).await?;
@@ -60,15 +60,16 @@ async fn one(ctx: &Ctx, levels: QueueKind, side: Side, round: u32) -> Result<Thr
             scenario: label(levels),
             queue,
             side,
+            round,
             messages: n,
-            consume_per_s: per_second(n, &drain),
+            consume_per_s: drain.rate(n),
             publish_per_s: n as f64 / published.as_secs_f64(),
             p50_ms: ms(lat.lat_p50_us),
             p99_ms: ms(lat.lat_p99_us),
             peak_rss_mib: mib(lat.hwm_kb),
             rss_delta_mib: mib(lat.hwm_kb.saturating_sub(lat.baseline_rss_kb)),
-            cpu_us_per_msg: drain.cpu_us as f64 / n as f64,
-            runs: Vec::new(),
+            cpu_us_per_msg: drain.cpu_us_per_msg(n),
+            broker_cpu_us_per_msg: drain.broker_us_per_msg(n),
         })
     }
     .await;
