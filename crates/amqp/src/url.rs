@@ -49,15 +49,25 @@ fn scheme_len(s: &str) -> Option<usize> {
         .then_some(colon)
 }
 
-/// Splits a `;`-separated list of URLs. Only a `;` followed by a scheme (`amqp:`, `amqps:`), by
-/// more `;` or by nothing separates: one inside a password stays in its URL (so it is masked with
-/// the rest). Empty entries are the caller's to skip.
+/// Whether `s` starts like the next URL of a list: `amqp:` or `amqps:`, or any scheme followed
+/// by `//`. A password holding `;x:` must not look like one (`a:@host` is not a URL).
+fn starts_url(s: &str) -> bool {
+    let Some(n) = scheme_len(s) else {
+        return false;
+    };
+    let scheme = s[..n].to_ascii_lowercase();
+    scheme == "amqp" || scheme == "amqps" || s[n + 1..].starts_with("//")
+}
+
+/// Splits a `;`-separated list of URLs. Only a `;` followed by a URL ([`starts_url`]), by more
+/// `;` or by nothing separates: one inside a password stays in its URL (so it is masked with the
+/// rest). Empty entries are the caller's to skip.
 pub fn split_list(raw: &str) -> Vec<&str> {
     let mut parts = Vec::new();
     let mut from = 0;
     for (i, _) in raw.match_indices(';') {
         let rest = raw[i + 1..].trim_start_matches(|c: char| c == ';' || c.is_whitespace());
-        if rest.is_empty() || scheme_len(rest).is_some() {
+        if rest.is_empty() || starts_url(rest) {
             parts.push(&raw[from..i]);
             from = i + 1;
         }
@@ -329,6 +339,16 @@ mod tests {
         assert_eq!(
             split_list("amqp://a:x;y@h1;amqps://b@h2"),
             ["amqp://a:x;y@h1", "amqps://b@h2"]
+        );
+        // A `;x:` inside a password is not the start of another URL.
+        assert_eq!(
+            split_list("amqp:app:aaA;a:@rabbit"),
+            ["amqp:app:aaA;a:@rabbit"]
+        );
+        assert!(!redact("amqp:app:aaA;a:@rabbit").contains("aaA"));
+        assert_eq!(
+            split_list("amqp://r0/%2f;http://u:p@r1/"),
+            ["amqp://r0/%2f", "http://u:p@r1/"]
         );
     }
 
