@@ -248,7 +248,18 @@ impl Publisher {
                 .await?;
             Ok::<_, PublishError>(channel)
         };
-        let mut all = futures::future::try_join_all((0..channels.max(1)).map(|_| open())).await?;
+        let open_all = || futures::future::try_join_all((0..channels.max(1)).map(|_| open()));
+        // A channel the broker just closed on this connection (a passive declare's 404, as
+        // `DelayConfig::declare` probes) can hand its close to a new channel that reuses its
+        // number before lapin has finished with it (seen with lapin 4.12.3): one more try.
+        let mut all = match open_all().await {
+            Ok(all) => all,
+            Err(PublishError::Amqp(_)) if conn.status().connected() => {
+                tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+                open_all().await?
+            }
+            Err(e) => return Err(e),
+        };
         let primary = all.remove(0);
         let mut idle = all;
         idle.insert(0, primary.clone());
