@@ -528,12 +528,9 @@ impl Link {
             return Ok(p.clone());
         }
         let connection = self.publishing.connection().await?;
-        let p = Publisher::with_channels(
-            &connection,
-            self.delay.clone(),
-            self.rules.copies_in_flight,
-        )
-        .await?;
+        let p =
+            Publisher::with_channels(&connection, self.delay.clone(), self.rules.copies_in_flight)
+                .await?;
         let p = match self.max_message_size {
             Some(n) => p.with_max_message_size(n),
             None => p,
