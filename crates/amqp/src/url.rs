@@ -59,9 +59,9 @@ fn starts_url(s: &str) -> bool {
     scheme == "amqp" || scheme == "amqps" || s[n + 1..].starts_with("//")
 }
 
-/// Splits a `;`-separated list of URLs. Only a `;` followed by a URL ([`starts_url`]), by more
-/// `;` or by nothing separates: one inside a password stays in its URL (so it is masked with the
-/// rest). Empty entries are the caller's to skip.
+/// Splits a `;`-separated list of URLs. Only a `;` followed by a URL (`amqp:`, `amqps:`, or any
+/// scheme with `//`), by more `;` or by nothing separates: one inside a password stays in its URL
+/// (so it is masked with the rest). Empty entries are the caller's to skip.
 pub fn split_list(raw: &str) -> Vec<&str> {
     let mut parts = Vec::new();
     let mut from = 0;
