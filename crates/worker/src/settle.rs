@@ -242,7 +242,7 @@ impl<B: Broker> Settle<'_, B> {
                     error = %error,
                     "retry scheduled"
                 );
-                self.ack_replaced("retry")
+                self.ack_replaced("retry", Settled::Retried)
             }
             Err(CopyError::Publish(e @ PublishError::TooLarge { .. })) => {
                 // The same copy will never fit: no requeue, no retry.
@@ -303,7 +303,7 @@ impl<B: Broker> Settle<'_, B> {
         {
             Ok(()) => {
                 self.count_dead_letter(reason, error, "message dead-lettered (annotated)");
-                self.ack_replaced("dead-letter")
+                self.ack_replaced("dead-letter", Settled::DeadLettered)
             }
             // The body is the one the broker accepted and headers do not count, so only a
             // broker whose limit was lowered since refuses it: it can still move the original.
@@ -365,7 +365,7 @@ impl<B: Broker> Settle<'_, B> {
                     message_id = %msg.message_id,
                     "malformed x-death header (RabbitMQ cannot dead-letter it): republished the message without the bad entries"
                 );
-                self.ack_replaced("sanitize")
+                self.ack_replaced("sanitize", Settled::Repaired)
             }
             Err(e) => {
                 error!(message_id = %msg.message_id, error = %e, "copy without the malformed x-death not confirmed by the broker; requeueing the original");
@@ -383,7 +383,7 @@ impl<B: Broker> Settle<'_, B> {
     }
 
     /// The original's replacement is confirmed: forget its requeues and ack it.
-    fn ack_replaced(&self, op: &str) -> Settled {
+    fn ack_replaced(&self, op: &str, done: Settled) -> Settled {
         {
             let mut ledger = requeue::lock(self.requeues);
             if !ledger.is_empty() {
@@ -391,11 +391,7 @@ impl<B: Broker> Settle<'_, B> {
             }
         }
         if self.broker.ack(false) {
-            match op {
-                "retry" => Settled::Retried,
-                "sanitize" => Settled::Repaired,
-                _ => Settled::DeadLettered,
-            }
+            done
         } else {
             warn!(message_id = %self.message.message_id, op, "the copy is published but the original could not be acked: it will be delivered again");
             self.failed(op, Ok(false))
