@@ -21,11 +21,13 @@
 use crate::delay::DelayConfig;
 use crate::error::DelayError;
 use crate::names::{short, NameError};
+use lapin::message::BasicReturnMessage;
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
+use lapin::types::ShortString;
 use lapin::{BasicProperties, Channel, Confirmation, Connection};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
-use tokio::sync::{Semaphore, SemaphorePermit};
+use tokio::sync::{mpsc, oneshot, Mutex as AsyncMutex};
 
 /// Content type filled in by [`Publisher::publish_bytes`] when none is given.
 pub(crate) const OCTET_STREAM: &str = "application/octet-stream";
@@ -123,30 +125,34 @@ pub enum PublishError {
     Amqp(#[from] lapin::Error),
 }
 
-/// Confirm-mode channels opened by [`Publisher::new`]: at most this many publishes are in flight
-/// at once on one publisher (the others wait for a free channel). RabbitMQ allows 2047 channels
-/// per connection by default.
-pub const DEFAULT_PUBLISH_CHANNELS: usize = 64;
+/// Confirm-mode channels opened by [`Publisher::new`]: at most this many batches of publishes
+/// are awaiting their confirms at once.
+pub const DEFAULT_PUBLISH_CHANNELS: usize = 4;
 
-/// A set of confirm-mode channels, each carrying at most one publish at a time. Cloning shares
-/// them; many publishes may be in flight at once from several tasks, each waiting only for its
-/// own confirm.
+/// Most publishes sent as one batch on one channel before their confirms are awaited.
+const MAX_BATCH: usize = 256;
+
+/// A few confirm-mode channels shared by every clone, each sending the publishes waiting for it
+/// as one batch and then awaiting that batch's confirms (group commit): many publishes may be
+/// in flight at once from several tasks, and the broker confirms them with a few `multiple`
+/// acks instead of one frame each.
 ///
-/// Why not one channel with many confirms in flight: lapin (4.12) hands a `basic.return` to
+/// Why batches, and returns matched by content: lapin (4.12.3) hands a `basic.return` to
 /// whichever pending confirm of the channel it completes next, and completes the tags of a
 /// `multiple` ack in no particular order. With several mandatory publishes in flight on one
 /// channel, a returned message was then reported as `Ack(None)` (a loss that looks safe) and a
 /// routed one as returned: measured here, 78 of 400 concurrent publishes (half of them
-/// unroutable) were reported wrongly on RabbitMQ 3.10.8, 20 of 400 on 4.3.6. With one publish in
-/// flight per channel, the only pending confirm of a channel is that publish's, and the broker
-/// sends a message's return before its ack on the same channel, so the pairing cannot go wrong.
-/// (A header naming the publish would not do: [`Self::publish_copy`] must send a message byte
-/// for byte, and the broker keeps any header we add.) The cost is one channel per concurrent
-/// publish, opened once, and less batching on the broker: 5000 persistent publishes to a quorum
-/// queue, 200 at a time, ran at 20-33k/s on one channel and at 10-12k/s on 64 channels
-/// (16-18k/s on 128) on RabbitMQ 3.10.8 and 4.3.6 here (crates/amqp/tests/returns.rs,
-/// `shared_publisher_throughput`), far above what a worker's retries and dead letters need;
-/// [`Self::with_channels`] sets the number.
+/// unroutable) were reported wrongly on RabbitMQ 3.10.8, 20 of 400 on 4.3.6. The broker sends a
+/// message's return before its ack, so once every confirm of a batch is in, every return of the
+/// batch has been handed to one of them; the returned message (exchange, routing key, body,
+/// properties) then says which publish of the batch it was. A header naming the publish would
+/// not do: [`Self::publish_copy`] must send a message byte for byte. A return that matches no
+/// publish exactly (it cannot happen with RabbitMQ, which returns the message as published)
+/// marks every publish of the batch with the same exchange and key as returned: the callers
+/// keep their originals (a duplicate at worst), rather than trust an ack that may be a loss.
+/// An earlier version held one publish in flight per channel instead: correct too, but the
+/// broker then confirmed each publish with a frame of its own, which cost it 11-22 % more CPU
+/// per retry round trip than raw lapin's; with batches the two are level (BENCHMARKS.md).
 ///
 /// If a channel dies (a connection loss, or the broker closing it after a refused publish), the
 /// publisher is closed as a whole: [`Self::channel`] then reports a closed channel and every
@@ -159,43 +165,27 @@ pub struct Publisher {
 
 #[derive(Clone, Debug)]
 struct Inner {
-    pool: Arc<Pool>,
+    requests: mpsc::Sender<Request>,
+    fate: Arc<Fate>,
     delay: DelayConfig,
     max_message_size: Option<usize>,
 }
 
+/// What every channel of a publisher shares: whether one of them died.
 #[derive(Debug)]
-struct Pool {
+struct Fate {
     /// The first channel: what [`Publisher::channel`] returns, closed when any channel dies.
     primary: Channel,
-    /// The channels no publish is using.
-    idle: Mutex<Vec<Channel>>,
-    /// One permit per channel of the pool.
-    free: Semaphore,
+    /// The error that killed a channel; every later publish fails with it.
+    dead: OnceLock<lapin::Error>,
 }
 
-impl Pool {
-    /// Waits for a channel no publish is using.
-    async fn lease(&self) -> Lease<'_> {
-        // The semaphore is never closed, and a permit guarantees an idle channel; the primary
-        // is only a fallback that cannot be reached.
-        let permit = self.free.acquire().await.ok();
-        let channel = self.lock().pop().unwrap_or_else(|| self.primary.clone());
-        Lease {
-            pool: self,
-            channel: Some(channel),
-            _permit: permit,
-        }
-    }
-
-    fn lock(&self) -> std::sync::MutexGuard<'_, Vec<Channel>> {
-        self.idle.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
+impl Fate {
     /// After a channel died: close the primary too, so that the owner sees a dead publisher and
-    /// opens a new one, instead of having 1 publish in N fail on the dead channel.
-    async fn retire_if_dead(&self, channel: &Channel) {
-        if !channel.status().connected() && self.primary.status().connected() {
+    /// opens a new one, instead of having some publishes fail on the dead channel.
+    async fn retire(&self, error: lapin::Error) {
+        let _ = self.dead.set(error);
+        if self.primary.status().connected() {
             let _ = self
                 .primary
                 .close(200, "another channel of this publisher was closed".into())
@@ -204,25 +194,139 @@ impl Pool {
     }
 }
 
-/// A channel of the pool, given back when dropped (also when the publish is cancelled).
-struct Lease<'a> {
-    pool: &'a Pool,
-    channel: Option<Channel>,
-    _permit: Option<SemaphorePermit<'a>>,
+/// One publish waiting for its batch.
+struct Request {
+    exchange: ShortString,
+    routing_key: ShortString,
+    body: Vec<u8>,
+    properties: BasicProperties,
+    reply: oneshot::Sender<Verdict>,
 }
 
-impl Lease<'_> {
-    fn channel(&self) -> &Channel {
-        // Some until dropped.
-        self.channel.as_ref().unwrap_or(&self.pool.primary)
+/// How the broker answered one publish.
+#[derive(Debug)]
+enum Verdict {
+    Acked,
+    Nacked,
+    Returned { reply_code: u16, reply_text: String },
+    Failed(lapin::Error),
+}
+
+/// Sends the batches of one channel until every clone of the publisher is gone.
+async fn run_channel(
+    channel: Channel,
+    requests: Arc<AsyncMutex<mpsc::Receiver<Request>>>,
+    fate: Arc<Fate>,
+) {
+    loop {
+        let mut batch = Vec::new();
+        {
+            // One channel at a time takes what is waiting; the others are sending or awaiting
+            // their own batch meanwhile.
+            let mut queue = requests.lock().await;
+            if queue.recv_many(&mut batch, MAX_BATCH).await == 0 {
+                // Every clone of the publisher is gone: nothing more will be sent here.
+                if channel.status().connected() {
+                    let _ = channel.close(200, "publisher dropped".into()).await;
+                }
+                return;
+            }
+        }
+        if let Some(error) = fate.dead.get() {
+            for request in batch {
+                let _ = request.reply.send(Verdict::Failed(error.clone()));
+            }
+            continue;
+        }
+        if let Err(error) = send_batch(&channel, batch).await {
+            fate.retire(error).await;
+        }
     }
 }
 
-impl Drop for Lease<'_> {
-    fn drop(&mut self) {
-        // Before the permit is released (fields drop after this body).
-        if let Some(ch) = self.channel.take() {
-            self.pool.lock().push(ch);
+/// Publishes `batch` (mandatory), awaits its confirms and answers each request. An error that
+/// leaves the channel unusable is returned after it was given to the requests it failed.
+async fn send_batch(channel: &Channel, batch: Vec<Request>) -> Result<(), lapin::Error> {
+    // All at once: lapin resolves a publish only once its frames are written, so sending them
+    // one after the other would wait for the connection's writer once per publish.
+    let confirmations = futures::future::join_all(batch.iter().map(|request| async {
+        channel
+            .basic_publish(
+                request.exchange.clone(),
+                request.routing_key.clone(),
+                BasicPublishOptions {
+                    mandatory: true,
+                    immediate: false,
+                },
+                &request.body,
+                request.properties.clone(),
+            )
+            .await?
+            .await
+    }))
+    .await;
+    let mut failure = None;
+    let mut verdicts = Vec::with_capacity(batch.len());
+    let mut returns = Vec::new();
+    for confirmation in confirmations {
+        verdicts.push(match confirmation {
+            Ok(Confirmation::Ack(returned)) => {
+                returns.extend(returned);
+                Verdict::Acked
+            }
+            Ok(Confirmation::Nack(returned)) => {
+                returns.extend(returned);
+                Verdict::Nacked
+            }
+            // Cannot happen on a confirm channel; treat it as "not confirmed".
+            Ok(Confirmation::NotRequested) => Verdict::Nacked,
+            Err(e) => {
+                failure.get_or_insert_with(|| e.clone());
+                Verdict::Failed(e)
+            }
+        });
+    }
+    for returned in returns {
+        mark_returned(&batch, &mut verdicts, &returned);
+    }
+    let fatal = !channel.status().connected();
+    for (request, verdict) in batch.into_iter().zip(verdicts) {
+        let _ = request.reply.send(verdict);
+    }
+    match failure {
+        Some(e) if fatal => Err(e),
+        _ => Ok(()),
+    }
+}
+
+/// Gives `returned` to the publish of `batch` it is: the one with its exchange, key, body and
+/// properties (any one of several identical publishes, which the broker routes alike), or, when
+/// none is exactly it, every acked publish with its exchange and key.
+fn mark_returned(batch: &[Request], verdicts: &mut [Verdict], returned: &BasicReturnMessage) {
+    let d = &returned.delivery;
+    let same_route = |r: &Request| r.exchange == d.exchange && r.routing_key == d.routing_key;
+    let acked = |verdicts: &[Verdict], i: usize| matches!(verdicts.get(i), Some(Verdict::Acked));
+    let exact = batch.iter().enumerate().position(|(i, r)| {
+        acked(verdicts, i) && same_route(r) && r.body == d.data && r.properties == d.properties
+    });
+    let verdict = || Verdict::Returned {
+        reply_code: returned.reply_code,
+        reply_text: returned.reply_text.as_str().to_owned(),
+    };
+    match exact {
+        Some(i) => verdicts[i] = verdict(),
+        None => {
+            tracing::warn!(
+                exchange = d.exchange.as_str(),
+                routing_key = d.routing_key.as_str(),
+                "a returned message matches no publish of its batch exactly; \
+                 reporting every publish with its exchange and key as returned"
+            );
+            for (i, r) in batch.iter().enumerate() {
+                if acked(verdicts, i) && same_route(r) {
+                    verdicts[i] = verdict();
+                }
+            }
         }
     }
 }
@@ -234,8 +338,12 @@ impl Publisher {
         Self::with_channels(conn, delay, DEFAULT_PUBLISH_CHANNELS).await
     }
 
-    /// [`Self::new`] with `channels` confirm-mode channels (at least 1): the number of publishes
-    /// that can be in flight at once. A tool that publishes one message at a time needs 1.
+    /// [`Self::new`] with `channels` confirm-mode channels (at least 1): the number of batches
+    /// of publishes that can await their confirms at once (each holds up to 256 publishes). A
+    /// tool that publishes one message at a time needs 1.
+    ///
+    /// Each channel is served by a task of its own, so this must be called within a Tokio
+    /// runtime; the tasks end, and close their channels, when the last clone is dropped.
     pub async fn with_channels(
         conn: &Connection,
         delay: DelayConfig,
@@ -252,7 +360,7 @@ impl Publisher {
         // A channel the broker just closed on this connection (a passive declare's 404, as
         // `DelayConfig::declare` probes) can hand its close to a new channel that reuses its
         // number before lapin has finished with it (seen with lapin 4.12.3): one more try.
-        let mut all = match open_all().await {
+        let all = match open_all().await {
             Ok(all) => all,
             Err(PublishError::Amqp(_)) if conn.status().connected() => {
                 tokio::time::sleep(std::time::Duration::from_millis(50)).await;
@@ -260,17 +368,24 @@ impl Publisher {
             }
             Err(e) => return Err(e),
         };
-        let primary = all.remove(0);
-        let mut idle = all;
-        idle.insert(0, primary.clone());
-        let free = Semaphore::new(idle.len());
+        let Some(primary) = all.first().cloned() else {
+            return Err(PublishError::Amqp(
+                std::io::Error::other("no publisher channel was opened").into(),
+            ));
+        };
+        let fate = Arc::new(Fate {
+            primary,
+            dead: OnceLock::new(),
+        });
+        let (requests, queue) = mpsc::channel(MAX_BATCH * all.len());
+        let queue = Arc::new(AsyncMutex::new(queue));
+        for channel in all {
+            tokio::spawn(run_channel(channel, queue.clone(), fate.clone()));
+        }
         Ok(Self {
             inner: Arc::new(Inner {
-                pool: Arc::new(Pool {
-                    primary,
-                    idle: Mutex::new(idle),
-                    free,
-                }),
+                requests,
+                fate,
                 delay,
                 max_message_size: None,
             }),
@@ -296,7 +411,7 @@ impl Publisher {
     /// The first of the publisher's confirm-mode channels: open as long as the publisher is
     /// usable (it is closed when any of the others dies).
     pub fn channel(&self) -> &Channel {
-        &self.inner.pool.primary
+        &self.inner.fate.primary
     }
 
     /// The delay configuration used by [`Self::publish_delayed`].
@@ -429,63 +544,59 @@ impl Publisher {
         body: &[u8],
         props: BasicProperties,
     ) -> Result<(), PublishError> {
-        let too_large = |limit| PublishError::TooLarge {
-            exchange: exchange.to_owned(),
-            routing_key: routing_key.to_owned(),
-            size: body.len(),
-            limit,
+        let (reply, verdict) = oneshot::channel();
+        let request = Request {
+            exchange: short(exchange)?,
+            routing_key: short(routing_key)?,
+            body: body.to_vec(),
+            properties: props,
+            reply,
         };
-        let lease = self.inner.pool.lease().await;
-        let published = async {
-            lease
-                .channel()
-                .basic_publish(
-                    short(exchange)?,
-                    short(routing_key)?,
-                    BasicPublishOptions {
-                        mandatory: true,
-                        immediate: false,
-                    },
-                    body,
-                    props,
-                )
-                .await?
-                .await
-                .map_err(PublishError::from)
+        let stopped = || {
+            let error = self.inner.fate.dead.get().cloned().unwrap_or_else(|| {
+                std::io::Error::other("the publisher's channels have stopped").into()
+            });
+            PublishError::Amqp(error)
         };
-        let published = published.await;
-        self.inner.pool.retire_if_dead(lease.channel()).await;
-        drop(lease);
-        let confirm = match published {
-            Err(PublishError::Amqp(e)) => match refused_size_limit(&e) {
-                Some(limit) => return Err(too_large(limit)),
-                None => return Err(PublishError::Amqp(e)),
-            },
-            other => other?,
-        };
-        match confirm {
-            Confirmation::Ack(None) => Ok(()),
-            Confirmation::Ack(Some(returned)) | Confirmation::Nack(Some(returned)) => {
-                Err(PublishError::Returned {
-                    exchange: exchange.to_owned(),
-                    routing_key: routing_key.to_owned(),
-                    reply_code: returned.reply_code,
-                    reply_text: returned.reply_text.as_str().to_owned(),
-                })
-            }
-            // NotRequested cannot happen on a confirm channel; treat it as "not confirmed".
-            Confirmation::Nack(None) | Confirmation::NotRequested => Err(PublishError::Nacked {
+        if self.inner.requests.send(request).await.is_err() {
+            return Err(stopped());
+        }
+        match verdict.await.map_err(|_| stopped())? {
+            Verdict::Acked => Ok(()),
+            Verdict::Returned {
+                reply_code,
+                reply_text,
+            } => Err(PublishError::Returned {
+                exchange: exchange.to_owned(),
+                routing_key: routing_key.to_owned(),
+                reply_code,
+                reply_text,
+            }),
+            Verdict::Nacked => Err(PublishError::Nacked {
                 exchange: exchange.to_owned(),
                 routing_key: routing_key.to_owned(),
             }),
+            // The broker closes the channel over one body too large, failing the publishes
+            // sent with it too: only the one of that size is refused for its size.
+            Verdict::Failed(e) => match refused_size(&e) {
+                Some((size, limit)) if size.is_none_or(|s| s == body.len()) => {
+                    Err(PublishError::TooLarge {
+                        exchange: exchange.to_owned(),
+                        routing_key: routing_key.to_owned(),
+                        size: body.len(),
+                        limit,
+                    })
+                }
+                _ => Err(PublishError::Amqp(e)),
+            },
         }
     }
 }
 
 /// The broker's refusal of a body over `max_message_size` (406 PRECONDITION_FAILED, "message
-/// size N is larger than configured max size M"): `Some(Some(M))`, or `Some(None)` when the text
-/// names no limit.
-fn refused_size_limit(e: &lapin::Error) -> Option<Option<usize>> {
+/// size N is larger than configured max size M"): `Some((N, M))`, each `None` when the text does
+/// not name it.
+fn refused_size(e: &lapin::Error) -> Option<(Option<usize>, Option<usize>)> {
     let lapin::ErrorKind::ProtocolError(amqp) = e.kind() else {
         return None;
     };
@@ -493,15 +604,16 @@ fn refused_size_limit(e: &lapin::Error) -> Option<Option<usize>> {
     if amqp.get_id() != 406 || !text.contains("message size") {
         return None;
     }
-    const MARK: &str = "max size ";
-    let limit = text.find(MARK).and_then(|i| {
-        let digits: String = text[i + MARK.len()..]
-            .chars()
-            .take_while(char::is_ascii_digit)
-            .collect();
-        digits.parse().ok()
-    });
-    Some(limit)
+    let number_after = |mark: &str| {
+        text.find(mark).and_then(|i| {
+            let digits: String = text[i + mark.len()..]
+                .chars()
+                .take_while(char::is_ascii_digit)
+                .collect();
+            digits.parse().ok()
+        })
+    };
+    Some((number_after("message size "), number_after("max size ")))
 }
 
 /// Fills the properties a publish should always carry, keeping those already set.

@@ -97,6 +97,89 @@ async fn returns_reach_their_own_publish_under_concurrency() {
     let _ = Duration::ZERO;
 }
 
+/// The same through a headers exchange, where one exchange and one routing key route some
+/// messages and return others, by a header: the publisher must tell the returned ones by the
+/// whole message (properties included), not by exchange and key. Identical bodies, so that only
+/// the properties tell them apart.
+#[tokio::test]
+async fn returns_are_told_apart_by_their_properties() {
+    use redeliver_amqp::lapin::types::AMQPValue;
+    const N: usize = 300;
+    let conn = redeliver_testkit::connect().await;
+    let version = redeliver_testkit::broker_version().await;
+    let p = common::prefix();
+    let _cleanup = redeliver_testkit::Cleanup(p.clone());
+    let ex = format!("{p}headers");
+    let q = format!("{p}wanted");
+    let ch = conn.create_channel().await.unwrap();
+    ch.exchange_declare(
+        ex.as_str().into(),
+        ExchangeKind::Headers,
+        ExchangeDeclareOptions::default(),
+        FieldTable::default(),
+    )
+    .await
+    .unwrap();
+    ch.queue_declare(q.as_str().into(), Default::default(), Default::default())
+        .await
+        .unwrap();
+    let mut binding = FieldTable::default();
+    binding.insert("x-match".into(), AMQPValue::LongString("all".into()));
+    binding.insert("route".into(), AMQPValue::LongString("yes".into()));
+    ch.queue_bind(
+        q.as_str().into(),
+        ex.as_str().into(),
+        "".into(),
+        QueueBindOptions::default(),
+        binding,
+    )
+    .await
+    .unwrap();
+
+    let publisher = Publisher::new(&conn, DelayConfig::new().prefix(p.clone()))
+        .await
+        .unwrap();
+    let results = join_all((0..N).map(|i| {
+        let publisher = publisher.clone();
+        let ex = ex.clone();
+        async move {
+            let mut headers = FieldTable::default();
+            let route = if i % 3 == 0 { "no" } else { "yes" };
+            headers.insert("route".into(), AMQPValue::LongString(route.into()));
+            let props = BasicProperties::default()
+                .with_message_id(format!("m{i}").into())
+                .with_headers(headers);
+            (
+                i,
+                publisher.publish_copy(&ex, "", b"same body", props).await,
+            )
+        }
+    }))
+    .await;
+    let wrong: Vec<String> = results
+        .iter()
+        .filter(|(i, r)| {
+            !matches!(
+                (i % 3 == 0, r),
+                (true, Err(PublishError::Returned { .. })) | (false, Ok(()))
+            )
+        })
+        .map(|(i, r)| format!("#{i}: {r:?}"))
+        .collect();
+    assert!(
+        wrong.is_empty(),
+        "RabbitMQ {version}: {} of {N} publishes reported wrongly, e.g. {:?}",
+        wrong.len(),
+        &wrong[..wrong.len().min(5)]
+    );
+    let depth = redeliver_testkit::queue_depth(&conn, &q).await.unwrap();
+    assert_eq!(
+        depth.ready as usize,
+        N - N.div_ceil(3),
+        "every routed one arrived once"
+    );
+}
+
 /// Throughput of one shared publisher with many confirms in flight (`--ignored`; prints the
 /// rate): 5000 persistent messages to a quorum queue, 200 publishes at a time.
 #[tokio::test]
@@ -126,6 +209,44 @@ async fn shared_publisher_throughput() {
     )
     .await
     .unwrap();
+    // The same with raw lapin: one confirm channel, every publish awaiting its own confirm.
+    let raw = conn.create_channel().await.unwrap();
+    raw.confirm_select(Default::default()).await.unwrap();
+    let started = Instant::now();
+    let failed = stream::iter(0..TOTAL)
+        .map(|i| {
+            let raw = raw.clone();
+            let q = q.clone();
+            async move {
+                let confirm = raw
+                    .basic_publish(
+                        "".into(),
+                        q.as_str().into(),
+                        redeliver_amqp::lapin::options::BasicPublishOptions {
+                            mandatory: true,
+                            immediate: false,
+                        },
+                        format!("{i}").as_bytes(),
+                        BasicProperties::default().with_delivery_mode(2),
+                    )
+                    .await;
+                match confirm {
+                    Ok(c) => !matches!(c.await, Ok(redeliver_amqp::lapin::Confirmation::Ack(None))),
+                    Err(_) => true,
+                }
+            }
+        })
+        .buffer_unordered(IN_FLIGHT)
+        .filter(|failed| std::future::ready(*failed))
+        .count()
+        .await;
+    let raw_elapsed = started.elapsed();
+    assert_eq!(failed, 0);
+    eprintln!(
+        "RabbitMQ {version}: raw lapin, one channel: {TOTAL} in {raw_elapsed:?} ({:.0}/s)",
+        TOTAL as f64 / raw_elapsed.as_secs_f64()
+    );
+
     let publisher = Publisher::new(&conn, DelayConfig::new().prefix(p.clone()))
         .await
         .unwrap();

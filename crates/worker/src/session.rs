@@ -118,9 +118,6 @@ impl Session {
             // Unknown version: assume 3.x, whose dead-lettering crashes on such a header.
             dead_letters_malformed_x_death: version
                 .is_some_and(|v| !v.dead_lettering_trusts_client_x_death()),
-            // As many as there are handlers, so a burst of retries never waits for a channel
-            // (RabbitMQ allows 2047 channels per connection by default).
-            copies_in_flight: settings.concurrency.clamp(1, 512),
         };
         let channel = connection.create_channel().await?;
         // Per consumer, not global: global QoS is deprecated and refused from RabbitMQ 4.3. It is

@@ -125,9 +125,6 @@ pub(crate) struct Rules {
     /// The broker dead-letters a message with a malformed `x-death` without crashing (so a
     /// repair that keeps failing may end in the DLQ). False for RabbitMQ 3.x and unknown ones.
     pub(crate) dead_letters_malformed_x_death: bool,
-    /// Copies that may be awaiting their confirm at once: the publisher's channels (each holds
-    /// one publish in flight, so that a return cannot be paired with another's confirm).
-    pub(crate) copies_in_flight: usize,
 }
 
 /// The delivery being settled, as settling reads it.
@@ -524,9 +521,7 @@ impl Link {
             return Ok(p.clone());
         }
         let connection = self.publishing.connection().await?;
-        let p =
-            Publisher::with_channels(&connection, self.delay.clone(), self.rules.copies_in_flight)
-                .await?;
+        let p = Publisher::new(&connection, self.delay.clone()).await?;
         let p = match self.max_message_size {
             Some(n) => p.with_max_message_size(n),
             None => p,
@@ -780,7 +775,6 @@ mod tests {
             max_delay: Duration::from_secs(60),
             username: "guest".into(),
             dead_letters_malformed_x_death: true,
-            copies_in_flight: 1,
         }
     }
 
