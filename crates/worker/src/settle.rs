@@ -47,6 +47,11 @@ pub(crate) trait Broker {
     fn ack(&self, success: bool) -> bool;
     /// `basic.reject`; `Ok(false)` when the channel is closed.
     async fn reject(&self, requeue: bool) -> Result<bool, lapin::Error>;
+    /// The delivery was settled by a frame of its own: later batched acks need not wait for it.
+    fn released(&self);
+    /// A frame of the delivery's own did not go out, so its tag must stay unsettled: closes the
+    /// channel, and the broker gives every delivery of it back to the queue.
+    async fn abandon_channel(&self, why: &'static str);
     /// Publishes a copy for `queue` through the delay levels and waits for the confirm.
     async fn publish_delayed(
         &self,
@@ -317,7 +322,7 @@ impl<B: Broker> Settle<'_, B> {
 
     /// `basic.reject(requeue = false)`: the broker's DLX moves the message to the DLQ.
     async fn reject_to_dlx(&self, reason: &'static str, error: &str) -> Settled {
-        match self.broker.reject(false).await {
+        match self.reject(false).await {
             Ok(true) => {
                 // The broker moves the original unchanged; this event is where the final error
                 // lives, so it carries the message id itself.
@@ -437,10 +442,23 @@ impl<B: Broker> Settle<'_, B> {
         }
         // basic.reject, not basic.nack: from RabbitMQ 4.3 a quorum queue counts a reject toward
         // x-delivery-limit but not a nack, and the delivery limit is the guard of last resort.
-        match self.broker.reject(true).await {
+        match self.reject(true).await {
             Ok(true) => Settled::Requeued,
             other => self.failed("requeue", other),
         }
+    }
+
+    /// `basic.reject`, and what its fate means for the channel's batched acks.
+    async fn reject(&self, requeue: bool) -> Result<bool, lapin::Error> {
+        let rejected = self.broker.reject(requeue).await;
+        match rejected {
+            // Only once the reject frame is out may a batched ack cover later tags.
+            Ok(true) => self.broker.released(),
+            // Releasing the tag now would let a later multiple ack settle a message that was
+            // never rejected: give the whole channel back instead.
+            _ => self.broker.abandon_channel("reject failed").await,
+        }
+        rejected
     }
 
     /// An ack/reject that did not reach the broker: never a success. The message will be
@@ -586,15 +604,15 @@ impl Broker for LapinBroker<'_> {
     }
 
     async fn reject(&self, requeue: bool) -> Result<bool, lapin::Error> {
-        let rejected = self.acker.reject(BasicRejectOptions { requeue }).await;
-        match rejected {
-            // Only once the reject frame is out may a batched ack cover later tags.
-            Ok(true) => self.link.acks.released(self.tag),
-            // Releasing the tag now would let a later multiple ack settle a message that was
-            // never rejected: give the whole channel back instead.
-            _ => self.link.acks.abandon_channel("reject failed").await,
-        }
-        rejected
+        self.acker.reject(BasicRejectOptions { requeue }).await
+    }
+
+    fn released(&self) {
+        self.link.acks.released(self.tag);
+    }
+
+    async fn abandon_channel(&self, why: &'static str) {
+        self.link.acks.abandon_channel(why).await;
     }
 
     async fn publish_delayed(
@@ -660,6 +678,10 @@ mod tests {
         open: StdMutex<bool>,
         close_after_publish: bool,
         reject_result: fn() -> Result<bool, lapin::Error>,
+        /// Tags released to the batched acks, channels abandoned: what a later multiple ack
+        /// could cover, kept apart from `calls` (no frame of their own).
+        released: StdMutex<u32>,
+        abandoned: StdMutex<Vec<&'static str>>,
     }
 
     impl FakeBroker {
@@ -671,6 +693,8 @@ mod tests {
                 open: StdMutex::new(true),
                 close_after_publish: false,
                 reject_result: || Ok(true),
+                released: StdMutex::new(0),
+                abandoned: StdMutex::default(),
             }
         }
 
@@ -733,6 +757,14 @@ mod tests {
                 return Ok(false);
             }
             (self.reject_result)()
+        }
+
+        fn released(&self) {
+            *self.released.lock().unwrap() += 1;
+        }
+
+        async fn abandon_channel(&self, why: &'static str) {
+            self.abandoned.lock().unwrap().push(why);
         }
 
         async fn publish_delayed(
@@ -1025,6 +1057,36 @@ mod tests {
         };
         assert_eq!(f.run(&b, dead_letter()).await, Settled::Failed);
         assert_eq!(b.calls(), [Call::Reject { requeue: false }]);
+    }
+
+    /// A reject that did not go out (an error, or a channel found closed) must keep its tag from
+    /// every later multiple ack: the channel is given back, the tag never released. One that went
+    /// out releases its tag and keeps the channel.
+    #[tokio::test]
+    async fn a_failed_reject_abandons_the_channel_instead_of_releasing_its_tag() {
+        let f = Fixture::new(DeadLetterMode::Reject);
+        let failing = FakeBroker {
+            reject_result: || {
+                Err(lapin::Error::from(lapin::ErrorKind::InvalidChannelState(
+                    lapin::ChannelState::Closed,
+                    "reject",
+                )))
+            },
+            ..FakeBroker::new()
+        };
+        let refused = FakeBroker {
+            reject_result: || Ok(false),
+            ..FakeBroker::new()
+        };
+        for b in [&failing, &refused] {
+            assert_eq!(f.run(b, dead_letter()).await, Settled::Failed);
+            assert_eq!(*b.released.lock().unwrap(), 0, "the tag stays unsettled");
+            assert_eq!(*b.abandoned.lock().unwrap(), ["reject failed"]);
+        }
+        let ok = FakeBroker::new();
+        assert_eq!(f.run(&ok, dead_letter()).await, Settled::DeadLettered);
+        assert_eq!(*ok.released.lock().unwrap(), 1);
+        assert!(ok.abandoned.lock().unwrap().is_empty());
     }
 
     #[tokio::test]
