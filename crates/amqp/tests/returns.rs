@@ -10,6 +10,38 @@ use redeliver_amqp::lapin::types::FieldTable;
 use redeliver_amqp::lapin::{BasicProperties, ExchangeKind};
 use redeliver_amqp::{DelayConfig, PublishError, Publisher};
 
+/// Declares exchange `ex` of `kind` and queue `q`, bound with `key` and `arguments`.
+async fn bind_queue(
+    conn: &redeliver_amqp::lapin::Connection,
+    ex: &str,
+    kind: ExchangeKind,
+    q: &str,
+    key: &str,
+    arguments: FieldTable,
+) {
+    let ch = conn.create_channel().await.unwrap();
+    ch.exchange_declare(
+        ex.into(),
+        kind,
+        ExchangeDeclareOptions::default(),
+        FieldTable::default(),
+    )
+    .await
+    .unwrap();
+    ch.queue_declare(q.into(), Default::default(), Default::default())
+        .await
+        .unwrap();
+    ch.queue_bind(
+        q.into(),
+        ex.into(),
+        key.into(),
+        QueueBindOptions::default(),
+        arguments,
+    )
+    .await
+    .unwrap();
+}
+
 /// One publisher, `N` concurrent mandatory publishes to an exchange without an alternate
 /// exchange: the odd ones use a key bound to nothing, the even ones a bound key. Every odd one
 /// must fail with `Returned`, every even one succeed, several rounds in a row (the mismatch of a
@@ -24,27 +56,15 @@ async fn returns_reach_their_own_publish_under_concurrency() {
     let _cleanup = redeliver_testkit::Cleanup(p.clone());
     let ex = format!("{p}direct");
     let q = format!("{p}bound");
-    let ch = conn.create_channel().await.unwrap();
-    ch.exchange_declare(
-        ex.as_str().into(),
+    bind_queue(
+        &conn,
+        &ex,
         ExchangeKind::Direct,
-        ExchangeDeclareOptions::default(),
+        &q,
+        "routable",
         FieldTable::default(),
     )
-    .await
-    .unwrap();
-    ch.queue_declare(q.as_str().into(), Default::default(), Default::default())
-        .await
-        .unwrap();
-    ch.queue_bind(
-        q.as_str().into(),
-        ex.as_str().into(),
-        "routable".into(),
-        QueueBindOptions::default(),
-        FieldTable::default(),
-    )
-    .await
-    .unwrap();
+    .await;
 
     let publisher = Publisher::new(&conn, DelayConfig::new().prefix(p.clone()))
         .await
@@ -111,30 +131,10 @@ async fn returns_are_told_apart_by_their_properties() {
     let _cleanup = redeliver_testkit::Cleanup(p.clone());
     let ex = format!("{p}headers");
     let q = format!("{p}wanted");
-    let ch = conn.create_channel().await.unwrap();
-    ch.exchange_declare(
-        ex.as_str().into(),
-        ExchangeKind::Headers,
-        ExchangeDeclareOptions::default(),
-        FieldTable::default(),
-    )
-    .await
-    .unwrap();
-    ch.queue_declare(q.as_str().into(), Default::default(), Default::default())
-        .await
-        .unwrap();
     let mut binding = FieldTable::default();
     binding.insert("x-match".into(), AMQPValue::LongString("all".into()));
     binding.insert("route".into(), AMQPValue::LongString("yes".into()));
-    ch.queue_bind(
-        q.as_str().into(),
-        ex.as_str().into(),
-        "".into(),
-        QueueBindOptions::default(),
-        binding,
-    )
-    .await
-    .unwrap();
+    bind_queue(&conn, &ex, ExchangeKind::Headers, &q, "", binding).await;
 
     let publisher = Publisher::new(&conn, DelayConfig::new().prefix(p.clone()))
         .await

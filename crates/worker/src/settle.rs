@@ -1043,27 +1043,11 @@ mod tests {
         assert_eq!(b.calls().len(), 1);
     }
 
+    /// A reject that did not go out (an error, or a channel found closed) is reported as a
+    /// failed settle and must keep its tag from every later multiple ack: the channel is given
+    /// back, the tag never released. One that went out releases its tag and keeps the channel.
     #[tokio::test]
-    async fn reject_failure_is_reported() {
-        let f = Fixture::new(DeadLetterMode::Reject);
-        let b = FakeBroker {
-            reject_result: || {
-                Err(lapin::Error::from(lapin::ErrorKind::InvalidChannelState(
-                    lapin::ChannelState::Closed,
-                    "reject",
-                )))
-            },
-            ..FakeBroker::new()
-        };
-        assert_eq!(f.run(&b, dead_letter()).await, Settled::Failed);
-        assert_eq!(b.calls(), [Call::Reject { requeue: false }]);
-    }
-
-    /// A reject that did not go out (an error, or a channel found closed) must keep its tag from
-    /// every later multiple ack: the channel is given back, the tag never released. One that went
-    /// out releases its tag and keeps the channel.
-    #[tokio::test]
-    async fn a_failed_reject_abandons_the_channel_instead_of_releasing_its_tag() {
+    async fn a_failed_reject_is_reported_and_abandons_the_channel_instead_of_releasing_its_tag() {
         let f = Fixture::new(DeadLetterMode::Reject);
         let failing = FakeBroker {
             reject_result: || {
@@ -1080,6 +1064,7 @@ mod tests {
         };
         for b in [&failing, &refused] {
             assert_eq!(f.run(b, dead_letter()).await, Settled::Failed);
+            assert_eq!(b.calls(), [Call::Reject { requeue: false }]);
             assert_eq!(*b.released.lock().unwrap(), 0, "the tag stays unsettled");
             assert_eq!(*b.abandoned.lock().unwrap(), ["reject failed"]);
         }
