@@ -263,7 +263,9 @@ fn legend(rounds: u32) -> String {
     format!(
         "Sides: **raw** = hand-written lapin consumer acking each message \
 (`delivery.ack(..).await`, as lapin's examples do); **rawb** = the same with `multiple = true` acks \
-every 20 messages (10 % of the prefetch) and on idle; **redeliver** = `Worker` + `Publisher`.\n\n\
+every 20 messages (10 % of the prefetch) and on idle; **redeliver** = `Worker` + `Publisher`. \
+Every side's messages carry the same properties (`Publisher`'s `message_id` and `timestamp`: the \
+raw side's publisher sets them too).\n\n\
 Method: scenarios 1, 2 and 5 run {rounds} interleaved round(s) per side (A B C, then C B A, ...). \
 consume msg/s = drain rate of a pre-published backlog, from the first delivery handled to the last \
 (retry: completed round trips); each side's figures are the median over its rounds, with min-max. \
