@@ -3,9 +3,9 @@
 //!
 //! Both send the same messages: the raw channel sets the `message_id` (a UUID v4) and the
 //! `timestamp` that `Publisher` fills in. Which consumer drains faster must not depend on who
-//! published: on RabbitMQ 3.10.8 a classic queue drains those two properties' messages about a
-//! quarter slower than bare ones, whatever the consumer (BENCHMARKS.md, "Same messages for
-//! both sides").
+//! published: on RabbitMQ 3.10.8 a classic queue drains those two properties' messages a quarter
+//! to a third slower than bare ones, whatever the consumer (BENCHMARKS.md, "Same messages for
+//! both sides"). The properties restate what `Publisher`'s private `fill` sets; keep them in step.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
