@@ -1,10 +1,10 @@
 //! Reading a queue without disturbing it.
 //!
 //! Method: a passive `queue.declare` gives the number of ready messages; a consumer with manual
-//! acknowledgements and a prefetch sized to what we want to see takes the deliveries; closing
-//! the channel without acknowledging returns every unacknowledged message to the queue in its
-//! original position and order (classic queues requeue by sequence number, quorum queues return
-//! a consumer's checked-out messages sorted by their index).
+//! acknowledgements and a prefetch sized to what we want to see takes the deliveries; rejecting
+//! all of them at once with requeue (after cancelling the consumer) returns every one to the
+//! queue in its original position and order (classic queues requeue by sequence number, quorum
+//! queues return a consumer's checked-out messages in the order they were delivered).
 //!
 //! Not basic.get + requeue: each requeued message goes back to the head of the queue one by one,
 //! so the next reader (or the next basic.get) sees them in another order, and a quorum queue
@@ -16,9 +16,13 @@ use std::time::Duration;
 use anyhow::Context as _;
 use futures::StreamExt as _;
 use lapin::message::Delivery;
-use lapin::options::{BasicConsumeOptions, BasicQosOptions, QueueDeclareOptions};
+use lapin::options::{
+    BasicAckOptions, BasicCancelOptions, BasicConsumeOptions, BasicNackOptions, BasicQosOptions,
+    QueueDeclareOptions,
+};
 use lapin::types::FieldTable;
 use lapin::{Channel, Connection, Consumer, ErrorKind};
+use tokio::time::Instant;
 
 use crate::errors::QueueMissing;
 use crate::output;
@@ -92,7 +96,11 @@ pub(crate) fn is_not_found(e: &lapin::Error) -> bool {
 pub(crate) struct Reader {
     channel: Channel,
     consumer: Consumer,
+    tag: String,
     queue: String,
+    /// Deliveries handed out by [`Reader::next`] and not acknowledged through [`Reader::ack`]:
+    /// what [`Reader::close`] gives back.
+    outstanding: u64,
 }
 
 impl Reader {
@@ -136,7 +144,9 @@ impl Reader {
         Ok(Self {
             channel,
             consumer,
+            tag,
             queue: queue.to_owned(),
+            outstanding: 0,
         })
     }
 
@@ -144,7 +154,10 @@ impl Reader {
     /// by the broker (queue deleted).
     pub(crate) async fn next(&mut self, idle: Duration) -> anyhow::Result<Option<Delivery>> {
         match tokio::time::timeout(idle, self.consumer.next()).await {
-            Ok(Some(Ok(d))) => Ok(Some(d)),
+            Ok(Some(Ok(d))) => {
+                self.outstanding += 1;
+                Ok(Some(d))
+            }
             Ok(Some(Err(e))) => {
                 Err(e).with_context(|| format!("lost the consumer on '{}'", self.queue))
             }
@@ -152,10 +165,38 @@ impl Reader {
         }
     }
 
-    /// Closes the channel: the broker requeues every unacknowledged delivery in its original
-    /// position. Waits for close-ok so the messages are back before the command exits.
-    pub(crate) async fn close(self) -> anyhow::Result<()> {
-        self.channel
+    /// The queue read.
+    pub(crate) fn queue(&self) -> &str {
+        &self.queue
+    }
+
+    /// Acknowledges `d` (one of this reader's deliveries): it leaves the queue for good.
+    /// `Ok(false)` when the channel closed first, so the broker keeps the message.
+    pub(crate) async fn ack(&mut self, d: &Delivery) -> lapin::Result<bool> {
+        let acked = d.acker.ack(BasicAckOptions::default()).await?;
+        if acked {
+            self.outstanding = self.outstanding.saturating_sub(1);
+        }
+        Ok(acked)
+    }
+
+    /// Gives every unacknowledged delivery back to the queue, in its original position, and
+    /// returns once the queue counts them again, so that the next command (a `list` right after
+    /// a `purge --queue`) sees them.
+    ///
+    /// Closing the channel alone would return them too, but later: the broker requeues a closed
+    /// channel's deliveries when its channel process has gone, after close-ok, and a quorum
+    /// queue counts them only once that return is applied. So: cancel the consumer (nothing
+    /// more arrives), reject everything outstanding with requeue in one frame, wait until the
+    /// ready count has grown by what went back, then close.
+    pub(crate) async fn close(mut self) -> anyhow::Result<()> {
+        let returned = self.give_back().await;
+        if !self.channel.status().connected() {
+            // The queue went away under us (a 404 closed the channel): nothing to give back.
+            return returned;
+        }
+        let closed = self
+            .channel
             .close(200, "redeliver-cli done".into())
             .await
             .with_context(|| {
@@ -164,7 +205,68 @@ impl Reader {
                      the connection closes",
                     self.queue
                 )
-            })
+            });
+        returned.and(closed)
+    }
+
+    async fn give_back(&mut self) -> anyhow::Result<()> {
+        let queue = self.queue.clone();
+        self.channel
+            .basic_cancel(self.tag.as_str().into(), BasicCancelOptions::default())
+            .await
+            .with_context(|| format!("cannot stop the consumer on '{queue}'"))?;
+        // What the broker sent ahead and nobody read is outstanding too. After cancel-ok the
+        // stream ends; the timeout only guards against a stream that never does.
+        while let Ok(Some(Ok(_))) = tokio::time::timeout(IDLE, self.consumer.next()).await {
+            self.outstanding += 1;
+        }
+        let Some(before) = self.ready().await? else {
+            return Ok(());
+        };
+        self.channel
+            .basic_nack(
+                0,
+                BasicNackOptions {
+                    multiple: true,
+                    requeue: true,
+                },
+            )
+            .await
+            .with_context(|| format!("cannot give the messages back to '{queue}'"))?;
+        let target = u64::from(before) + self.outstanding;
+        let deadline = Instant::now() + IDLE;
+        // Someone else consuming the queue meanwhile can keep it below the target: then this
+        // waits `IDLE` and lets the command end anyway, since the messages are back either way.
+        while let Some(ready) = self.ready().await? {
+            if u64::from(ready) >= target || Instant::now() >= deadline {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        Ok(())
+    }
+
+    /// Ready messages of the queue, by a passive declare on the reader's own channel; `None`
+    /// when the queue was deleted meanwhile (which closes the channel).
+    async fn ready(&self) -> anyhow::Result<Option<u32>> {
+        let res = self
+            .channel
+            .queue_declare(
+                self.queue.as_str().into(),
+                QueueDeclareOptions {
+                    passive: true,
+                    ..QueueDeclareOptions::default()
+                },
+                FieldTable::default(),
+            )
+            .await;
+        match res {
+            Ok(q) => Ok(Some(q.message_count())),
+            Err(e) if is_not_found(&e) => Ok(None),
+            Err(e) => {
+                Err(e).with_context(|| format!("cannot count the messages of '{}'", self.queue))
+            }
+        }
     }
 }
 

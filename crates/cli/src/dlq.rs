@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::SystemTime;
 
 use anyhow::Context as _;
-use lapin::options::{BasicAckOptions, QueuePurgeOptions};
+use lapin::options::QueuePurgeOptions;
 use lapin::Connection;
 use redeliver_amqp::DelayConfig;
 use redeliver_amqp::{PublishError, Publisher};
@@ -460,9 +460,11 @@ async fn replay_loop(
             }
         };
         if let Some(publisher) = run.publisher {
-            if !move_one(publisher, run.src, &d, &summary, &dest, reset, report).await? {
+            if !copy_one(publisher, run.src, &d, &summary, &dest, reset, report).await? {
                 continue;
             }
+            // The copy is safe in `dest`; only now may the source copy go.
+            remove_source(reader, &d, &summary, &dest).await?;
         }
         report.moved += 1;
         report.messages.push(Moved {
@@ -474,10 +476,10 @@ async fn replay_loop(
     Ok(())
 }
 
-/// Publishes the copy of `d` to `dest`, waits for the broker's confirm, then acknowledges the
-/// source copy. `Ok(false)`: the copy could not go to `dest` for a reason that concerns this
-/// message only (recorded as skipped); `Err`: the replay must stop.
-async fn move_one(
+/// Publishes the copy of `d` to `dest` and waits for the broker's confirm. `Ok(false)`: the copy
+/// could not go to `dest` for a reason that concerns this message only (recorded as skipped);
+/// `Err`: the replay must stop.
+async fn copy_one(
     publisher: &Publisher,
     src: &Source,
     d: &lapin::message::Delivery,
@@ -510,9 +512,20 @@ async fn move_one(
             )));
         }
     }
-    // The copy is safe in `dest`; only now may the source copy go.
-    match d.acker.ack(BasicAckOptions::default()).await {
-        Ok(true) => Ok(true),
+    Ok(true)
+}
+
+/// Acknowledges the source copy of a message whose copy `dest` confirmed.
+async fn remove_source(
+    reader: &mut Reader,
+    d: &lapin::message::Delivery,
+    summary: &Summary,
+    dest: &str,
+) -> anyhow::Result<()> {
+    let queue = reader.queue().to_owned();
+    let label = label(summary.position, summary.message_id.as_deref());
+    match reader.ack(d).await {
+        Ok(true) => Ok(()),
         Ok(false) => anyhow::bail!(
             "{label} was published to '{dest}' but the channel on '{queue}' closed before its \
              copy there could be acknowledged: it stays in '{queue}' too (a duplicate, same \
@@ -610,12 +623,17 @@ pub(crate) async fn purge_matching(
                     seen_ids.extend(s.message_id.iter().cloned());
                 }
                 if src.wanted(&s) && filter.matches(&s, now) {
-                    d.acker
-                        .ack(BasicAckOptions::default())
-                        .await
-                        .with_context(|| {
-                            format!("cannot remove message #{position} from '{queue}'")
-                        })?;
+                    let removed = reader.ack(&d).await.with_context(|| {
+                        format!("cannot remove message #{position} from '{queue}'")
+                    })?;
+                    if !removed {
+                        anyhow::bail!(
+                            "the channel on '{queue}' closed before message #{position} could be \
+                             removed: it and every later selected message stay in '{queue}' \
+                             ({} purged so far); run the purge again",
+                            report.purged
+                        );
+                    }
                     report.purged += 1;
                 } else {
                     report.kept += 1;
