@@ -52,6 +52,23 @@ pub(crate) async fn probe_queue(
         .create_channel()
         .await
         .context("cannot open a channel")?;
+    let Some(q) = declare_passive(&ch, queue)
+        .await
+        .with_context(|| format!("cannot inspect queue '{queue}'"))?
+    else {
+        return Ok(None);
+    };
+    // Best effort: the channel is done either way and the connection closes soon.
+    let _ = ch.close(200, "ok".into()).await;
+    Ok(Some(QueueCounts {
+        messages: q.message_count(),
+        consumers: q.consumer_count(),
+    }))
+}
+
+/// Passive declare of `queue` on `ch`; `Ok(None)` when the queue does not exist (the broker's
+/// 404 closes `ch`).
+async fn declare_passive(ch: &Channel, queue: &str) -> lapin::Result<Option<lapin::Queue>> {
     let res = ch
         .queue_declare(
             queue.into(),
@@ -63,16 +80,9 @@ pub(crate) async fn probe_queue(
         )
         .await;
     match res {
-        Ok(q) => {
-            // Best effort: the channel is done either way and the connection closes soon.
-            let _ = ch.close(200, "ok".into()).await;
-            Ok(Some(QueueCounts {
-                messages: q.message_count(),
-                consumers: q.consumer_count(),
-            }))
-        }
+        Ok(q) => Ok(Some(q)),
         Err(e) if is_not_found(&e) => Ok(None),
-        Err(e) => Err(e).with_context(|| format!("cannot inspect queue '{queue}'")),
+        Err(e) => Err(e),
     }
 }
 
@@ -220,6 +230,9 @@ impl Reader {
         while let Ok(Some(Ok(_))) = tokio::time::timeout(IDLE, self.consumer.next()).await {
             self.outstanding += 1;
         }
+        if self.outstanding == 0 {
+            return Ok(());
+        }
         let Some(before) = self.ready().await? else {
             return Ok(());
         };
@@ -249,24 +262,10 @@ impl Reader {
     /// Ready messages of the queue, by a passive declare on the reader's own channel; `None`
     /// when the queue was deleted meanwhile (which closes the channel).
     async fn ready(&self) -> anyhow::Result<Option<u32>> {
-        let res = self
-            .channel
-            .queue_declare(
-                self.queue.as_str().into(),
-                QueueDeclareOptions {
-                    passive: true,
-                    ..QueueDeclareOptions::default()
-                },
-                FieldTable::default(),
-            )
-            .await;
-        match res {
-            Ok(q) => Ok(Some(q.message_count())),
-            Err(e) if is_not_found(&e) => Ok(None),
-            Err(e) => {
-                Err(e).with_context(|| format!("cannot count the messages of '{}'", self.queue))
-            }
-        }
+        let q = declare_passive(&self.channel, &self.queue)
+            .await
+            .with_context(|| format!("cannot count the messages of '{}'", self.queue))?;
+        Ok(q.map(|q| q.message_count()))
     }
 }
 
