@@ -72,7 +72,58 @@ async fn run_batch(conn: &Connection, t: &Topology, delays: &[Duration]) -> Vec<
         arrivals.push((i, now - sent[&id]));
         next.ack(BasicAckOptions::default()).await.unwrap();
     }
+    // A later batch on the same queue must not lose deliveries to this consumer.
+    ch.close(200, "batch done".into())
+        .await
+        .expect("close channel");
     arrivals
+}
+
+/// The delays of one measured batch: the level boundaries plus ten random ones, shuffled.
+fn accuracy_delays(rng: &mut rand::rngs::StdRng) -> Vec<Duration> {
+    let mut delays: Vec<Duration> = [0, 30, 250, 1000, 3300].into_iter().map(ms).collect();
+    for _ in 0..10 {
+        delays.push(Duration::from_micros(rng.random_range(0..3_300_000)));
+    }
+    delays.shuffle(rng);
+    delays
+}
+
+/// Prints one line per message and returns the messages that came early and those that came
+/// later than the bound (50 ms + 2 % of the delay).
+fn judge(
+    delays: &[Duration],
+    arrivals: &[(usize, Duration)],
+) -> (Vec<(Duration, Duration)>, Vec<(Duration, Duration)>) {
+    let mut errors = Vec::new();
+    let (mut early, mut late) = (Vec::new(), Vec::new());
+    for (i, took) in arrivals {
+        let d = delays[*i];
+        let bound = d + ms(50) + d / 50;
+        let err_ms = took.as_secs_f64() * 1e3 - d.as_secs_f64() * 1e3;
+        println!(
+            "delay {:>9.3} ms  arrived after {:>9.3} ms  error {:+7.3} ms (bound +{:.1} ms)",
+            d.as_secs_f64() * 1e3,
+            took.as_secs_f64() * 1e3,
+            err_ms,
+            (bound - d).as_secs_f64() * 1e3
+        );
+        errors.push(err_ms);
+        if *took < d {
+            early.push((d, *took));
+        } else if *took > bound {
+            late.push((d, *took));
+        }
+    }
+    errors.sort_by(f64::total_cmp);
+    println!(
+        "{} messages, error min {:.1} ms, p50 {:.1} ms, max {:.1} ms",
+        errors.len(),
+        errors[0],
+        errors[errors.len() / 2],
+        errors[errors.len() - 1]
+    );
+    (early, late)
 }
 
 #[tokio::test]
@@ -85,42 +136,31 @@ async fn delays_are_accurate() {
         .ok()
         .and_then(|s| s.parse().ok())
         .unwrap_or_else(|| uuid::Uuid::new_v4().as_u64_pair().0);
+    println!("seed {seed}");
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
-    let mut delays: Vec<Duration> = [0, 30, 250, 1000, 3300].into_iter().map(ms).collect();
-    for _ in 0..10 {
-        delays.push(Duration::from_micros(rng.random_range(0..3_300_000)));
-    }
-    delays.shuffle(&mut rng);
     redeliver_testkit::with_cleanup(
         async {
-            let arrivals = run_batch(&conn, &t, &delays).await;
-            let mut errors = Vec::new();
-            let mut failures = Vec::new();
-            for (i, took) in &arrivals {
-                let d = delays[*i];
-                let bound = d + ms(50) + d / 50;
-                let err_ms = took.as_secs_f64() * 1e3 - d.as_secs_f64() * 1e3;
-                println!(
-                    "delay {:>9.3} ms  arrived after {:>9.3} ms  error {:+7.3} ms (bound +{:.1} ms)",
-                    d.as_secs_f64() * 1e3,
-                    took.as_secs_f64() * 1e3,
-                    err_ms,
-                    (bound - d).as_secs_f64() * 1e3
+            // An early message is a wrong level or TTL, whatever the host does: it fails at once.
+            // A late one can also be the host: with three brokers and the tests on two cores, a
+            // broker node was seen to stall for 350 ms, holding back every message due in that
+            // window (CI, RabbitMQ 4.3.6). A second batch with new delays tells the two apart:
+            // a stall does not repeat on demand, a wrong delay does.
+            let mut late_batches = Vec::new();
+            for batch in 1..=2 {
+                let delays = accuracy_delays(&mut rng);
+                let arrivals = run_batch(&conn, &t, &delays).await;
+                let (early, late) = judge(&delays, &arrivals);
+                assert!(
+                    early.is_empty(),
+                    "batch {batch}: came early (delay, took): {early:?}"
                 );
-                errors.push(err_ms);
-                if *took < d || *took > bound {
-                    failures.push((d, *took));
+                if late.is_empty() {
+                    return;
                 }
+                println!("batch {batch}: {} late beyond the bound", late.len());
+                late_batches.push(late);
             }
-            errors.sort_by(f64::total_cmp);
-            println!(
-                "seed {seed}: {} messages, error min {:.1} ms, p50 {:.1} ms, max {:.1} ms",
-                errors.len(),
-                errors[0],
-                errors[errors.len() / 2],
-                errors[errors.len() - 1]
-            );
-            assert!(failures.is_empty(), "out of bounds (delay, took): {failures:?}");
+            panic!("late beyond the bound in both batches (delay, took): {late_batches:?}");
         },
         cleanup(&conn, &t),
     )
