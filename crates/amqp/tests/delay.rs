@@ -89,12 +89,12 @@ fn accuracy_delays(rng: &mut rand::rngs::StdRng) -> Vec<Duration> {
     delays
 }
 
+/// Messages outside the bound, as (intended delay, observed delay).
+type Misses = Vec<(Duration, Duration)>;
+
 /// Prints one line per message and returns the messages that came early and those that came
 /// later than the bound (50 ms + 2 % of the delay).
-fn judge(
-    delays: &[Duration],
-    arrivals: &[(usize, Duration)],
-) -> (Vec<(Duration, Duration)>, Vec<(Duration, Duration)>) {
+fn judge(delays: &[Duration], arrivals: &[(usize, Duration)]) -> (Misses, Misses) {
     let mut errors = Vec::new();
     let (mut early, mut late) = (Vec::new(), Vec::new());
     for (i, took) in arrivals {
