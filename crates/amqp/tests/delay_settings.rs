@@ -5,7 +5,7 @@ mod common;
 
 use std::time::Duration;
 
-use redeliver_amqp::lapin::options::{ExchangeDeclareOptions, QueueDeclareOptions};
+use redeliver_amqp::lapin::options::ExchangeDeclareOptions;
 use redeliver_amqp::lapin::{Connection, ExchangeKind};
 use redeliver_amqp::{DelayConfig, QueueType, Topology, TopologyError};
 
@@ -20,25 +20,6 @@ async fn exchange_exists(conn: &Connection, name: &str) -> bool {
             name.into(),
             ExchangeKind::Fanout,
             ExchangeDeclareOptions {
-                passive: true,
-                ..Default::default()
-            },
-            Default::default(),
-        )
-        .await
-        .is_ok();
-    if ok {
-        let _ = ch.close(200, "ok".into()).await;
-    }
-    ok
-}
-
-async fn queue_exists(conn: &Connection, name: &str) -> bool {
-    let ch = conn.create_channel().await.unwrap();
-    let ok = ch
-        .queue_declare(
-            name.into(),
-            QueueDeclareOptions {
                 passive: true,
                 ..Default::default()
             },
@@ -101,7 +82,9 @@ async fn other_settings_on_one_prefix_are_refused() {
         "levels=5 granularity=10ms queue-type=quorum",
     );
     assert!(
-        !queue_exists(&conn, &more.level_name(4)).await,
+        redeliver_testkit::queue_depth(&conn, &more.level_name(4))
+            .await
+            .is_err(),
         "RabbitMQ {version}: nothing declared after the refusal"
     );
     assert_mismatch(

@@ -310,22 +310,32 @@ impl Got {
 
     /// Header `name` as text, when it is a string.
     pub fn header_str(&self, name: &str) -> Option<String> {
-        match self.header(name)? {
-            AMQPValue::LongString(s) => Some(s.to_string()),
-            AMQPValue::ShortString(s) => Some(s.to_string()),
-            _ => None,
-        }
+        value_str(self.header(name)?)
     }
 
     /// Header `name` as an integer, when it is one.
     pub fn header_int(&self, name: &str) -> Option<i64> {
-        match self.header(name)? {
-            AMQPValue::LongLongInt(v) => Some(*v),
-            AMQPValue::LongInt(v) => Some(i64::from(*v)),
-            AMQPValue::ShortInt(v) => Some(i64::from(*v)),
-            AMQPValue::LongUInt(v) => Some(i64::from(*v)),
-            _ => None,
-        }
+        value_int(self.header(name)?)
+    }
+}
+
+/// A header value as text, when it is a string.
+pub(crate) fn value_str(value: &AMQPValue) -> Option<String> {
+    match value {
+        AMQPValue::LongString(v) => Some(String::from_utf8_lossy(v.as_bytes()).into_owned()),
+        AMQPValue::ShortString(v) => Some(v.as_str().to_owned()),
+        _ => None,
+    }
+}
+
+/// A header value as an integer, when it is one of the integer types headers arrive as.
+pub(crate) fn value_int(value: &AMQPValue) -> Option<i64> {
+    match value {
+        AMQPValue::LongLongInt(v) => Some(*v),
+        AMQPValue::LongInt(v) => Some(i64::from(*v)),
+        AMQPValue::ShortInt(v) => Some(i64::from(*v)),
+        AMQPValue::LongUInt(v) => Some(i64::from(*v)),
+        _ => None,
     }
 }
 

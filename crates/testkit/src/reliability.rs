@@ -764,22 +764,12 @@ impl Got {
 
     /// Header `name` as text, when it is a string.
     pub fn header_str(&self, name: &str) -> Option<String> {
-        match self.header(name)? {
-            AMQPValue::LongString(v) => Some(String::from_utf8_lossy(v.as_bytes()).into_owned()),
-            AMQPValue::ShortString(v) => Some(v.as_str().to_owned()),
-            _ => None,
-        }
+        crate::value_str(self.header(name)?)
     }
 
     /// Header `name` as an integer, when it is one.
     pub fn header_int(&self, name: &str) -> Option<i64> {
-        match self.header(name)? {
-            AMQPValue::LongLongInt(v) => Some(*v),
-            AMQPValue::LongInt(v) => Some(i64::from(*v)),
-            AMQPValue::ShortInt(v) => Some(i64::from(*v)),
-            AMQPValue::LongUInt(v) => Some(i64::from(*v)),
-            _ => None,
-        }
+        crate::value_int(self.header(name)?)
     }
 
     /// `reason` of the newest x-death entry.

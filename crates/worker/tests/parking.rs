@@ -10,30 +10,10 @@ use common::*;
 #[path = "common/consuming.rs"]
 mod consuming;
 
-use lapin::options::{QueueDeclareOptions, QueueDeleteOptions};
-use lapin::types::FieldTable;
+use lapin::options::QueueDeleteOptions;
 use redeliver_amqp::Publisher;
 use redeliver_testkit::{queue_depth, wait_count};
 use redeliver_worker::{CancellationToken, Context, HandlerError, QueueType, Raw, Worker};
-
-async fn exists(conn: &lapin::Connection, queue: &str) -> bool {
-    let ch = conn.create_channel().await.expect("channel");
-    let found = ch
-        .queue_declare(
-            queue.into(),
-            QueueDeclareOptions {
-                passive: true,
-                ..QueueDeclareOptions::default()
-            },
-            FieldTable::default(),
-        )
-        .await
-        .is_ok();
-    if ch.status().connected() {
-        let _ = ch.close(200, "bye".into()).await;
-    }
-    found
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_deleted_parking_queue_is_declared_again_while_running() {
@@ -56,7 +36,7 @@ async fn a_deleted_parking_queue_is_declared_again_while_running() {
         .await
         .expect("delete the parking queue");
     let start = Instant::now();
-    while !exists(&conn, &parking).await {
+    while queue_depth(&conn, &parking).await.is_err() {
         assert!(
             start.elapsed() < Duration::from_secs(10),
             "the worker never declared {parking} again"
