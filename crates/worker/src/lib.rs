@@ -85,6 +85,11 @@
 //! event per retry ("retry scheduled": attempt, delay_ms, error) and per dead-letter ("message
 //! dead-lettered": reason, error). Metrics go through the [`metrics`] facade (names in
 //! [`metrics_names`]); readiness through [`WorkerStatus`].
+//!
+//! `outcome = acked` is recorded when the ack is handed to its channel's ack batch, not when the
+//! frame reaches the broker: acks go out as one `multiple` ack per run of a tenth of the prefetch
+//! or after a 2 ms linger. A worker killed in between has its message redelivered (at least once,
+//! as for any ack the broker has not received).
 
 #![warn(missing_docs, unreachable_pub, missing_debug_implementations)]
 #![forbid(unsafe_code)]
