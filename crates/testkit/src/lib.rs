@@ -179,6 +179,21 @@ pub async fn queue_depth(conn: &Connection, queue: &str) -> Result<QueueDepth, l
     })
 }
 
+/// Whether `queue` exists right now ([`queue_depth`]): `false` only for the broker's 404.
+///
+/// # Panics
+///
+/// On any other failure (no channel, a closed connection), which must not pass for "missing".
+pub async fn queue_exists(conn: &Connection, queue: &str) -> bool {
+    match queue_depth(conn, queue).await {
+        Ok(_) => true,
+        Err(e) if matches!(e.kind(), lapin::ErrorKind::ProtocolError(a) if a.get_id() == 404) => {
+            false
+        }
+        Err(e) => panic!("passive declare of {queue}: {e}"),
+    }
+}
+
 /// Ready messages in `queue` right now ([`queue_depth`]).
 ///
 /// # Panics

@@ -12,7 +12,7 @@ mod consuming;
 
 use lapin::options::QueueDeleteOptions;
 use redeliver_amqp::Publisher;
-use redeliver_testkit::{queue_depth, wait_count};
+use redeliver_testkit::{queue_depth, queue_exists, wait_count};
 use redeliver_worker::{CancellationToken, Context, HandlerError, QueueType, Raw, Worker};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -36,7 +36,7 @@ async fn a_deleted_parking_queue_is_declared_again_while_running() {
         .await
         .expect("delete the parking queue");
     let start = Instant::now();
-    while queue_depth(&conn, &parking).await.is_err() {
+    while !queue_exists(&conn, &parking).await {
         assert!(
             start.elapsed() < Duration::from_secs(10),
             "the worker never declared {parking} again"
