@@ -9,6 +9,18 @@ use tokio::process::{Child, ChildStdin, ChildStdout, Command};
 
 use crate::child::{ChildArgs, Ready, RunReport, Stat};
 
+/// Environment variable naming a command that starts each consumer child, its words separated
+/// by spaces: `valgrind --tool=callgrind` counts each consumer's instructions, a figure that
+/// does not move with the host's load as times do (BENCHMARKS.md, "Counting instructions").
+pub const CHILD_WRAPPER_ENV: &str = "REDELIVER_BENCH_CHILD_WRAPPER";
+
+fn wrapper() -> Option<(String, Vec<String>)> {
+    let value = std::env::var(CHILD_WRAPPER_ENV).ok()?;
+    let mut words = value.split_whitespace().map(str::to_owned);
+    let program = words.next()?;
+    Some((program, words.collect()))
+}
+
 pub struct ChildProc {
     child: Child,
     stdin: ChildStdin,
@@ -23,7 +35,15 @@ impl ChildProc {
     pub async fn spawn(url: &str, args: &ChildArgs) -> Result<Self> {
         let exe = std::env::current_exe().context("locating the bench binary")?;
         let label = format!("{} consumer on '{}'", args.side.name(), args.queue_name());
-        let mut child = Command::new(exe)
+        let mut command = match wrapper() {
+            Some((program, wrapper_args)) => {
+                let mut c = Command::new(program);
+                c.args(wrapper_args).arg(exe);
+                c
+            }
+            None => Command::new(exe),
+        };
+        let mut child = command
             .args(args.to_args())
             .env("AMQP_URL", url)
             .stdin(Stdio::piped())
