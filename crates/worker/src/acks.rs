@@ -189,7 +189,13 @@ impl Window {
     /// Index of a running `tag`; `None` for a tag unknown or already finished, so repeated
     /// reports are ignored.
     fn running(&self, tag: u64) -> Option<usize> {
-        let i = self.slots.binary_search_by_key(&tag, |(t, _)| *t).ok()?;
+        // Tags are consecutive until one leaves from the middle: then its offset from the front
+        // is its index, and the search is for the rest.
+        let front = self.slots.front()?.0;
+        let i = usize::try_from(tag.checked_sub(front)?)
+            .ok()
+            .filter(|&i| self.slots.get(i).is_some_and(|(t, _)| *t == tag))
+            .or_else(|| self.slots.binary_search_by_key(&tag, |(t, _)| *t).ok())?;
         (self.slots[i].1 == Slot::Running).then_some(i)
     }
 
@@ -349,6 +355,24 @@ mod tests {
         assert_eq!(w.frames(false, true).multiple, None, "4 is still running");
         w.ack(4, true);
         assert_eq!(w.frames(false, true).multiple, Some((5, 2)));
+        assert!(w.slots.is_empty());
+    }
+
+    #[test]
+    fn finds_tags_after_one_left_from_the_middle() {
+        let mut w = window(10..=15);
+        w.release(12);
+        // Offsets from the front no longer match past 12: the lookup falls back to a search.
+        w.ack(14, true);
+        w.ack(10, true);
+        w.ack(15, true);
+        w.ack(12, true);
+        w.ack(9, true);
+        w.ack(16, true);
+        assert_eq!(w.frames(false, true).multiple, Some((10, 1)));
+        w.ack(11, true);
+        w.ack(13, false);
+        assert_eq!(w.frames(false, true).multiple, Some((15, 3)));
         assert!(w.slots.is_empty());
     }
 

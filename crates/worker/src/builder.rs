@@ -9,12 +9,12 @@ use redeliver_amqp::DelayConfig;
 use redeliver_amqp::TlsConfig;
 use redeliver_amqp::Topology;
 use redeliver_core::{Backoff, HandlerError, Jitter, RetryPolicy};
-use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 use tracing::warn;
 
 use crate::error::{SettingError, WorkerError};
 use crate::handler::{Erased, ErasedHandler, FromDelivery, Handler};
+use crate::permits::Permits;
 use crate::runtime::Worker;
 use crate::settings::{DeadLetterMode, Resolved, Settings};
 use crate::status::{StatusSender, WorkerStatus};
@@ -372,10 +372,10 @@ impl WorkerBuilder {
         topology.validate()?;
         let handler = self.handler.ok_or(SettingError::NoHandler)?;
         let concurrency = settings.concurrency;
-        if concurrency == 0 || concurrency > Semaphore::MAX_PERMITS {
+        if concurrency == 0 || concurrency > Permits::MAX {
             return Err(SettingError::Concurrency {
                 got: concurrency,
-                max: Semaphore::MAX_PERMITS,
+                max: Permits::MAX,
             }
             .into());
         }

@@ -10,11 +10,11 @@ use futures::FutureExt;
 use lapin::message::Delivery;
 use redeliver_amqp::headers::{self, RetryState};
 use redeliver_core::HandlerError;
-use tokio::sync::OwnedSemaphorePermit;
 use tracing::{debug, error, info_span, Instrument, Span};
 
 use crate::handler::{Context, HandlerFuture};
 use crate::outcome::{self, Outcome, Settled};
+use crate::permits::Permit;
 use crate::settle::{Link, Message, Settle};
 use crate::shared::Shared;
 
@@ -25,17 +25,18 @@ use crate::shared::Shared;
 /// without waiting (a filter, an in-memory update) is settled on the spot, which spares a task
 /// and often a wake-up of another runtime thread to steal it. One that waits is spawned, and
 /// its first poll as a task registers the real waker.
-pub(crate) fn start(
-    worker: &Arc<Shared>,
-    link: &Arc<Link>,
-    delivery: Delivery,
-    permit: OwnedSemaphorePermit,
-) {
+pub(crate) fn start(worker: &Arc<Shared>, link: &Arc<Link>, delivery: Delivery, permit: Permit) {
     link.acks.register(delivery.delivery_tag);
+    let retry = RetryState::read(delivery.properties.headers().as_ref());
     let task = DeliveryTask {
         worker: Arc::clone(worker),
         link: Arc::clone(link),
-        delivery: Arc::new(delivery),
+        ctx: Context::new(
+            Arc::clone(&link.queue),
+            delivery,
+            retry,
+            Arc::clone(&worker.draining),
+        ),
         _permit: permit,
     };
     // Nothing of a delivery may unwind into the consume loop (polled inline) or silently end
@@ -54,21 +55,23 @@ pub(crate) fn start(
 struct DeliveryTask {
     worker: Arc<Shared>,
     link: Arc<Link>,
-    /// Shared with the handler's [`Context`], which reads its properties without a copy.
-    delivery: Arc<Delivery>,
-    _permit: OwnedSemaphorePermit,
+    /// The handler gets a clone: the delivery and its retry state are read through it, without
+    /// a copy, for as long as either side needs them.
+    ctx: Context,
+    _permit: Permit,
 }
 
 impl DeliveryTask {
     async fn run(self) {
-        let state = RetryState::read(self.delivery.properties.headers().as_ref());
+        let delivery = self.ctx.delivery();
+        let state = self.ctx.retry();
         let span = info_span!(
             "delivery",
             queue = %self.worker.config.queue,
-            message_id = %Message::of(&self.delivery, &state).message_id,
+            message_id = %Message::of(delivery, state).message_id,
             attempt = state.attempt,
-            redelivered = self.delivery.redelivered,
-            delivery_tag = self.delivery.delivery_tag,
+            redelivered = delivery.redelivered,
+            delivery_tag = delivery.delivery_tag,
             outcome = tracing::field::Empty,
             duration_ms = tracing::field::Empty,
             reason = tracing::field::Empty,
@@ -80,22 +83,23 @@ impl DeliveryTask {
             // Each attempt is a child of the context the message carries: the publisher's span
             // for a first delivery, the same one again for its retry copies.
             let parent =
-                redeliver_amqp::trace_context::extract(self.delivery.properties.headers().as_ref());
+                redeliver_amqp::trace_context::extract(delivery.properties.headers().as_ref());
             let _ = span.set_parent(parent);
         }
-        self.process(state).instrument(span).await;
+        self.process().instrument(span).await;
     }
 
-    async fn process(self, state: RetryState) {
+    async fn process(self) {
         let meters = &self.link.meters;
         let _in_flight = InFlight::enter(&meters.in_flight);
         let started = Instant::now();
         meters.received.increment(1);
-        let outcome = self.outcome(&state).await;
+        let outcome = self.outcome().await;
+        let delivery = self.ctx.delivery();
         let settle = Settle {
-            broker: self.link.broker(&self.delivery),
+            broker: self.link.broker(delivery),
             rules: &self.link.rules,
-            message: Message::of(&self.delivery, &state),
+            message: Message::of(delivery, self.ctx.retry()),
             meters,
             requeues: &self.worker.requeues,
             hard_stop: &self.worker.hard_stop,
@@ -115,18 +119,21 @@ impl DeliveryTask {
                     .unwrap_or(Settled::Failed)
             }
         };
-        let elapsed_ms = started.elapsed().as_millis() as u64;
         let span = Span::current();
-        span.record("outcome", tracing::field::display(settled));
-        span.record("duration_ms", elapsed_ms);
-        debug!(outcome = %settled, duration_ms = elapsed_ms, "delivery done");
+        // Only read the clock again if something records the figure.
+        if !span.is_disabled() || tracing::enabled!(tracing::Level::DEBUG) {
+            let elapsed_ms = started.elapsed().as_millis() as u64;
+            span.record("outcome", tracing::field::display(settled));
+            span.record("duration_ms", elapsed_ms);
+            debug!(outcome = %settled, duration_ms = elapsed_ms, "delivery done");
+        }
     }
 
     /// What to do with the delivery.
-    async fn outcome(&self, state: &RetryState) -> Outcome {
-        if let Some(repaired) =
-            headers::sanitize_x_death(self.delivery.properties.headers().as_ref())
-        {
+    async fn outcome(&self) -> Outcome {
+        let delivery = self.ctx.delivery();
+        let state = self.ctx.retry();
+        if let Some(repaired) = headers::sanitize_x_death(delivery.properties.headers().as_ref()) {
             // Before anything can make the broker dead-letter it (a reject, or a quorum queue's
             // delivery limit): RabbitMQ crashes reading such a header.
             return Outcome::Repair(repaired);
@@ -136,15 +143,9 @@ impl DeliveryTask {
             // Fresh message: a deposit in the retry budget (retries withdraw).
             config.settings.policy.record_attempt();
         }
-        let ctx = Context::new(
-            Arc::clone(&self.link.queue),
-            Arc::clone(&self.delivery),
-            state.clone(),
-            self.worker.draining.clone(),
-        );
         // A user decoder may panic too; the task must survive to settle the delivery.
         let prepared = std::panic::catch_unwind(AssertUnwindSafe(|| {
-            config.handler.prepare(&self.delivery, ctx)
+            config.handler.prepare(delivery, self.ctx.clone())
         }));
         let result = match prepared {
             Ok(Err(decode)) => return Outcome::undecodable(&decode),

@@ -204,17 +204,21 @@ pub struct Context {
 
 struct ContextInner {
     queue: Arc<str>,
-    delivery: Arc<Delivery>,
+    /// Owned here, not behind an `Arc` of its own: the worker's delivery task reads it through
+    /// its clone of the context, so a delivery costs one allocation for both.
+    delivery: Delivery,
     retry: RetryState,
-    shutdown: CancellationToken,
+    /// One token for the whole worker: cloning a `CancellationToken` takes its lock, cloning the
+    /// `Arc` does not.
+    shutdown: Arc<CancellationToken>,
 }
 
 impl Context {
     pub(crate) fn new(
         queue: Arc<str>,
-        delivery: Arc<Delivery>,
+        delivery: Delivery,
         retry: RetryState,
-        shutdown: CancellationToken,
+        shutdown: Arc<CancellationToken>,
     ) -> Self {
         Self {
             inner: Arc::new(ContextInner {
@@ -224,6 +228,16 @@ impl Context {
                 shutdown,
             }),
         }
+    }
+
+    /// The delivery itself, for the worker's own settling.
+    pub(crate) fn delivery(&self) -> &Delivery {
+        &self.inner.delivery
+    }
+
+    /// The retry headers as read once when the delivery arrived.
+    pub(crate) fn retry(&self) -> &RetryState {
+        &self.inner.retry
     }
 
     /// Retries already done for this message: 0 on the first delivery, 1 on the first retry,
@@ -442,9 +456,9 @@ mod tests {
         let d = mock(b"{}");
         let ctx = Context::new(
             "q".into(),
-            Arc::new(mock(b"{}")),
+            mock(b"{}"),
             RetryState::default(),
-            CancellationToken::new(),
+            Arc::default(),
         );
         assert_eq!(ctx.attempt(), 0);
         assert!(!ctx.is_retry());
@@ -459,7 +473,7 @@ mod tests {
             original_routing_key: Some("eu.new".into()),
             ..RetryState::default()
         };
-        let ctx = Context::new("q".into(), Arc::new(d), retry, CancellationToken::new());
+        let ctx = Context::new("q".into(), d, retry, Arc::default());
         assert!(ctx.is_retry());
         assert_eq!(ctx.original_exchange(), "orders");
         assert_eq!(ctx.original_routing_key(), "eu.new");
@@ -477,14 +491,7 @@ mod tests {
                 }
             }
         }
-        let ctx = || {
-            Context::new(
-                "q".into(),
-                Arc::new(mock(b"")),
-                RetryState::default(),
-                CancellationToken::new(),
-            )
-        };
+        let ctx = || Context::new("q".into(), mock(b""), RetryState::default(), Arc::default());
         let erased: Box<dyn ErasedHandler> = Box::new(Erased::<_, Raw>::new(S));
         assert!(erased.prepare(&mock(b"x"), ctx()).unwrap().await.is_ok());
         assert!(erased.prepare(&mock(b""), ctx()).unwrap().await.is_err());

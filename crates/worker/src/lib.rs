@@ -107,6 +107,7 @@ pub mod health;
 mod meters;
 pub mod metrics_names;
 mod outcome;
+mod permits;
 mod publishing;
 mod requeue;
 mod runtime;

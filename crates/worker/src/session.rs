@@ -27,6 +27,15 @@ use crate::status::BlockedFlag;
 /// Bound on each broker call made while shutting down, so a dead broker cannot stall the exit.
 const CLOSE_TIMEOUT: Duration = Duration::from_secs(5);
 
+/// Deliveries taken in a row, at most, before a stop requested meanwhile is seen.
+const STOP_CHECK_EVERY: u32 = 16;
+
+/// The consumer's tag. One consumer per channel, so a fixed tag is unique where it must be, and
+/// it names us in the management UI. lapin looks the tag up in a hash map for every frame of
+/// every delivery: the broker's generated `amq.ctag-...` (31 bytes) costs several hash rounds
+/// more each time.
+const CONSUMER_TAG: &str = "redeliver";
+
 /// Why [`Session::consume`] returned.
 pub(crate) enum SessionEnd {
     /// The worker's token was cancelled: drain this session.
@@ -155,7 +164,7 @@ impl Session {
         let consumer = channel
             .basic_consume(
                 config.queue.as_str().into(),
-                "".into(),
+                CONSUMER_TAG.into(),
                 BasicConsumeOptions::default(),
                 FieldTable::default(),
             )
@@ -188,24 +197,42 @@ impl Session {
         // and an unlock each time.
         let cancelled = token.cancelled();
         tokio::pin!(cancelled);
+        let mut unchecked = 0u32;
         let reason = loop {
+            // While deliveries keep coming, the select below takes them without looking at the
+            // token (polling it takes its lock, and a delivery is a few microseconds): look every
+            // few deliveries instead, so a stop still takes effect under load.
+            unchecked += 1;
+            if unchecked >= STOP_CHECK_EVERY {
+                unchecked = 0;
+                if token.is_cancelled() {
+                    return SessionEnd::Shutdown(Box::new(self));
+                }
+            }
             // The fast path first: waiting (and watching the token meanwhile) only when every
             // permit is taken.
-            let permit = match Arc::clone(&worker.semaphore).try_acquire_owned() {
-                Ok(p) => p,
-                Err(_) => tokio::select! {
+            let permit = match worker.permits.try_take() {
+                Some(p) => p,
+                None => tokio::select! {
                     biased;
                     _ = &mut cancelled => return SessionEnd::Shutdown(Box::new(self)),
-                    p = Arc::clone(&worker.semaphore).acquire_owned() => match p {
-                        Ok(p) => p,
-                        // The semaphore is never closed; treat it as a shutdown rather than panic.
-                        Err(_) => return SessionEnd::Shutdown(Box::new(self)),
-                    },
+                    p = worker.permits.take() => p,
                 },
             };
-            // The token first, so a stop takes effect even while deliveries keep coming.
+            // Deliveries first; the token and the connection's events are polled when none is
+            // ready. A dead connection or channel also ends the consumer's stream, so nothing
+            // that ends the session waits behind a backlog.
             tokio::select! {
                 biased;
+                item = self.consumer.next() => match item {
+                    Some(Ok(d)) => delivery::start(worker, &self.link, d, permit),
+                    Some(Err(e)) => break format!("consumer error: {e}"),
+                    None => break if self.connection.status().connected() {
+                        "consumer cancelled by the broker (queue deleted?) or channel closed".to_owned()
+                    } else {
+                        "connection closed".to_owned()
+                    },
+                },
                 _ = &mut cancelled => return SessionEnd::Shutdown(Box::new(self)),
                 ev = self.events.next() => match ev {
                     // lapin reports a channel closed by the broker (a 404 or 406 on the
@@ -224,15 +251,6 @@ impl Session {
                         continue;
                     }
                     None => break "connection event stream ended".to_owned(),
-                },
-                item = self.consumer.next() => match item {
-                    Some(Ok(d)) => delivery::start(worker, &self.link, d, permit),
-                    Some(Err(e)) => break format!("consumer error: {e}"),
-                    None => break if self.connection.status().connected() {
-                        "consumer cancelled by the broker (queue deleted?) or channel closed".to_owned()
-                    } else {
-                        "connection closed".to_owned()
-                    },
                 },
             }
         };

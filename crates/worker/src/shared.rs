@@ -5,11 +5,11 @@
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{info, warn};
 
+use crate::permits::Permits;
 use crate::publishing::Pool;
 use crate::requeue::RequeueLedger;
 use crate::settings::Resolved;
@@ -21,10 +21,10 @@ const SETTLE_GRACE: Duration = Duration::from_secs(5);
 
 pub(crate) struct Shared {
     pub(crate) config: Arc<Resolved>,
-    pub(crate) semaphore: Arc<Semaphore>,
+    pub(crate) permits: Arc<Permits>,
     pub(crate) tracker: TaskTracker,
     /// Cancelled when draining starts; handed to handlers as [`Context::shutdown_token`](crate::Context::shutdown_token).
-    pub(crate) draining: CancellationToken,
+    pub(crate) draining: Arc<CancellationToken>,
     /// Cancelled when the grace period is over: handlers still running are dropped unsettled.
     pub(crate) hard_stop: CancellationToken,
     /// The worker's own requeues per message, bounded by the requeue limit.
@@ -40,9 +40,9 @@ impl Shared {
         Self {
             blocked,
             publishing,
-            semaphore: Arc::new(Semaphore::new(config.settings.concurrency)),
+            permits: Permits::new(config.settings.concurrency),
             tracker: TaskTracker::new(),
-            draining: CancellationToken::new(),
+            draining: Arc::default(),
             hard_stop: CancellationToken::new(),
             requeues: Mutex::default(),
             config,
