@@ -86,13 +86,16 @@ impl DeliveryTask {
                 redeliver_amqp::trace_context::extract(delivery.properties.headers().as_ref());
             let _ = span.set_parent(parent);
         }
-        self.process().instrument(span).await;
+        self.process(span.clone()).instrument(span).await;
     }
 
-    async fn process(self) {
+    /// Runs inside `span`, which it records the outcome on.
+    async fn process(self, span: Span) {
         let meters = &self.link.meters;
         let _in_flight = InFlight::enter(&meters.in_flight);
-        let started = Instant::now();
+        // The clock is read for the total only if something records it.
+        let started =
+            (!span.is_disabled() || tracing::enabled!(tracing::Level::DEBUG)).then(Instant::now);
         meters.received.increment(1);
         let outcome = self.outcome().await;
         let delivery = self.ctx.delivery();
@@ -119,9 +122,7 @@ impl DeliveryTask {
                     .unwrap_or(Settled::Failed)
             }
         };
-        let span = Span::current();
-        // Only read the clock again if something records the figure.
-        if !span.is_disabled() || tracing::enabled!(tracing::Level::DEBUG) {
+        if let Some(started) = started {
             let elapsed_ms = started.elapsed().as_millis() as u64;
             span.record("outcome", tracing::field::display(settled));
             span.record("duration_ms", elapsed_ms);
