@@ -15,7 +15,11 @@ use crate::child::{ChildArgs, Ready, RunReport, Stat};
 pub const CHILD_WRAPPER_ENV: &str = "REDELIVER_BENCH_CHILD_WRAPPER";
 
 fn wrapper() -> Option<(String, Vec<String>)> {
-    let value = std::env::var(CHILD_WRAPPER_ENV).ok()?;
+    parse_wrapper(&std::env::var(CHILD_WRAPPER_ENV).ok()?)
+}
+
+/// The program and its arguments; `None` for a blank value (no wrapper).
+fn parse_wrapper(value: &str) -> Option<(String, Vec<String>)> {
     let mut words = value.split_whitespace().map(str::to_owned);
     let program = words.next()?;
     Some((program, words.collect()))
@@ -138,5 +142,26 @@ impl ChildProc {
         self.expect("@@BYE", Duration::from_secs(30)).await?;
         let _ = tokio::time::timeout(Duration::from_secs(10), self.child.wait()).await;
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::parse_wrapper;
+
+    #[test]
+    fn a_wrapper_is_a_program_and_its_arguments() {
+        assert_eq!(parse_wrapper("  "), None);
+        assert_eq!(parse_wrapper("nice"), Some(("nice".into(), vec![])));
+        assert_eq!(
+            parse_wrapper("valgrind --tool=callgrind  --callgrind-out-file=/tmp/cg/%p.out"),
+            Some((
+                "valgrind".into(),
+                vec![
+                    "--tool=callgrind".into(),
+                    "--callgrind-out-file=/tmp/cg/%p.out".into()
+                ]
+            ))
+        );
     }
 }
