@@ -27,6 +27,26 @@ pub enum DelayError {
 
 // By hand, not `#[from]`: that would also make the inner error the `source()`, and a chain
 // printer would show its text twice.
+/// True when the broker answered 404 NOT_FOUND: the queue or exchange an operation named does
+/// not exist (a passive declare's answer for "missing"). Anything else, a closed connection
+/// included, is false, so it never passes for "missing".
+///
+/// ```no_run
+/// # async fn demo(channel: lapin::Channel) -> Result<(), lapin::Error> {
+/// use lapin::options::QueueDeclareOptions;
+/// let passive = QueueDeclareOptions { passive: true, ..Default::default() };
+/// match channel.queue_declare("orders".into(), passive, Default::default()).await {
+///     Ok(q) => println!("{} ready", q.message_count()),
+///     Err(e) if redeliver_amqp::is_not_found(&e) => println!("no queue 'orders'"),
+///     Err(e) => return Err(e),
+/// }
+/// # Ok(())
+/// # }
+/// ```
+pub fn is_not_found(e: &lapin::Error) -> bool {
+    matches!(e.kind(), lapin::ErrorKind::ProtocolError(a) if a.get_id() == 404)
+}
+
 impl From<DelayConfigError> for DelayError {
     fn from(e: DelayConfigError) -> Self {
         DelayError::InvalidConfig(e)

@@ -63,7 +63,7 @@ pub use lapin;
 
 pub use declare::{QueueType, OPERATOR_DELIVERY_LIMIT};
 pub use delay::{DelayConfig, DelayRoute, OverMax};
-pub use error::{DelayConfigError, DelayError, TopologyError};
+pub use error::{is_not_found, DelayConfigError, DelayError, TopologyError};
 pub use names::{validate_queue_name, validate_routed_queue_name, NameError, MAX_NAME_BYTES};
 pub use publisher::{OutgoingMessage, PublishError, Publisher, DEFAULT_PUBLISH_CHANNELS};
 pub use server::{BrokerVersion, ProbeError, ServerInfo, StartFrameError, PROBE_TIMEOUT};

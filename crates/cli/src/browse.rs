@@ -21,7 +21,8 @@ use lapin::options::{
     QueueDeclareOptions,
 };
 use lapin::types::FieldTable;
-use lapin::{Channel, Connection, Consumer, ErrorKind};
+use lapin::{Channel, Connection, Consumer};
+use redeliver_amqp::is_not_found;
 use tokio::time::Instant;
 
 use crate::errors::QueueMissing;
@@ -93,11 +94,6 @@ pub(crate) async fn require_queue(conn: &Connection, queue: &str) -> anyhow::Res
             queue: queue.to_owned(),
         })
     })
-}
-
-/// True for the broker's 404 NOT_FOUND.
-pub(crate) fn is_not_found(e: &lapin::Error) -> bool {
-    matches!(e.kind(), ErrorKind::ProtocolError(a) if a.get_id() == 404)
 }
 
 /// A consumer over one queue whose unacknowledged deliveries all go back, in order, when it is

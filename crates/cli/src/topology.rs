@@ -268,7 +268,7 @@ async fn exchange_exists(conn: &Connection, name: &str) -> anyhow::Result<bool> 
             let _ = ch.close(200, "ok".into()).await;
             Ok(true)
         }
-        Err(e) if browse::is_not_found(&e) => Ok(false),
+        Err(e) if redeliver_amqp::is_not_found(&e) => Ok(false),
         Err(e) => Err(e).with_context(|| format!("cannot inspect exchange '{name}'")),
     }
 }

@@ -187,9 +187,7 @@ pub async fn queue_depth(conn: &Connection, queue: &str) -> Result<QueueDepth, l
 pub async fn queue_exists(conn: &Connection, queue: &str) -> bool {
     match queue_depth(conn, queue).await {
         Ok(_) => true,
-        Err(e) if matches!(e.kind(), lapin::ErrorKind::ProtocolError(a) if a.get_id() == 404) => {
-            false
-        }
+        Err(e) if redeliver_amqp::is_not_found(&e) => false,
         Err(e) => panic!("passive declare of {queue}: {e}"),
     }
 }
