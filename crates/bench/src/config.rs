@@ -86,6 +86,8 @@ pub struct Sizes {
 }
 
 impl Sizes {
+    /// `scripts/bench-instructions.sh` counts on `happy + paced` of both sizes (110,000 and
+    /// 6,000 messages per happy-path consumer): change it with them.
     pub fn full() -> Self {
         Sizes {
             rounds: 5,
