@@ -25,8 +25,6 @@ pub enum DelayError {
     InvalidConfig(DelayConfigError),
 }
 
-// By hand, not `#[from]`: that would also make the inner error the `source()`, and a chain
-// printer would show its text twice.
 /// True when the broker answered 404 NOT_FOUND: the queue or exchange an operation named does
 /// not exist (a passive declare's answer for "missing"). Anything else, a closed connection
 /// included, is false, so it never passes for "missing".
@@ -47,6 +45,8 @@ pub fn is_not_found(e: &lapin::Error) -> bool {
     matches!(e.kind(), lapin::ErrorKind::ProtocolError(a) if a.get_id() == 404)
 }
 
+// By hand, not `#[from]`: that would also make the inner error the `source()`, and a chain
+// printer would show its text twice.
 impl From<DelayConfigError> for DelayError {
     fn from(e: DelayConfigError) -> Self {
         DelayError::InvalidConfig(e)

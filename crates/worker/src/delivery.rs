@@ -146,7 +146,7 @@ impl DeliveryTask {
         }
         // A user decoder may panic too; the task must survive to settle the delivery.
         let prepared = std::panic::catch_unwind(AssertUnwindSafe(|| {
-            config.handler.prepare(delivery, self.ctx.clone())
+            config.handler.prepare(self.ctx.clone())
         }));
         let result = match prepared {
             Ok(Err(decode)) => return Outcome::undecodable(&decode),

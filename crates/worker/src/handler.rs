@@ -389,7 +389,7 @@ pub(crate) type HandlerFuture = Pin<Box<dyn Future<Output = Result<(), HandlerEr
 /// builder and worker free of type parameters, so workers for different message types can be run
 /// together.
 pub(crate) trait ErasedHandler: Send + Sync + 'static {
-    fn prepare(&self, delivery: &Delivery, ctx: Context) -> Result<HandlerFuture, DecodeError>;
+    fn prepare(&self, ctx: Context) -> Result<HandlerFuture, DecodeError>;
 }
 
 pub(crate) struct Erased<H, M> {
@@ -411,8 +411,8 @@ where
     H: Handler<M>,
     M: FromDelivery,
 {
-    fn prepare(&self, delivery: &Delivery, ctx: Context) -> Result<HandlerFuture, DecodeError> {
-        let message = M::from_delivery(delivery)?;
+    fn prepare(&self, ctx: Context) -> Result<HandlerFuture, DecodeError> {
+        let message = M::from_delivery(ctx.delivery())?;
         let handler = Arc::clone(&self.handler);
         // The async block owns the Arc, so the handler's future may borrow `&self` and the boxed
         // future is still 'static (needed to spawn it).
@@ -491,10 +491,17 @@ mod tests {
                 }
             }
         }
-        let ctx = || Context::new("q".into(), mock(b""), RetryState::default(), Arc::default());
+        let ctx = |body: &[u8]| {
+            Context::new(
+                "q".into(),
+                mock(body),
+                RetryState::default(),
+                Arc::default(),
+            )
+        };
         let erased: Box<dyn ErasedHandler> = Box::new(Erased::<_, Raw>::new(S));
-        assert!(erased.prepare(&mock(b"x"), ctx()).unwrap().await.is_ok());
-        assert!(erased.prepare(&mock(b""), ctx()).unwrap().await.is_err());
+        assert!(erased.prepare(ctx(b"x")).unwrap().await.is_ok());
+        assert!(erased.prepare(ctx(b"")).unwrap().await.is_err());
         let closure = |m: Json<Job>, _ctx: Context| async move {
             if m.id == 1 {
                 Ok(())
@@ -503,11 +510,7 @@ mod tests {
             }
         };
         let erased: Box<dyn ErasedHandler> = Box::new(Erased::<_, Json<Job>>::new(closure));
-        assert!(erased
-            .prepare(&mock(br#"{"id":1}"#), ctx())
-            .unwrap()
-            .await
-            .is_ok());
-        assert!(erased.prepare(&mock(b"nope"), ctx()).is_err());
+        assert!(erased.prepare(ctx(br#"{"id":1}"#)).unwrap().await.is_ok());
+        assert!(erased.prepare(ctx(b"nope")).is_err());
     }
 }
