@@ -335,16 +335,3 @@ pub(crate) async fn scan(
     closed?;
     Ok(scanned)
 }
-
-/// Reads up to `limit` messages of `queue` and puts them all back, in order.
-/// Returns what the scan saw and the deliveries (their ackers are dead once this returns:
-/// nothing can acknowledge them by accident).
-pub(crate) async fn snapshot(
-    conn: &Connection,
-    queue: &str,
-    limit: u32,
-) -> anyhow::Result<(Scanned, Vec<Delivery>)> {
-    let mut got = Vec::new();
-    let scanned = scan(conn, queue, limit, "reading", |d| got.push(d)).await?;
-    Ok((scanned, got))
-}

@@ -30,7 +30,10 @@ listing runs are not shown.";
 pub(crate) const JSON_OUTPUT: &str = "\
 With --json, stdout holds exactly one JSON document and nothing else: progress bars, notes and \
 errors go to stderr, and a failure still sets the exit code. The keys are a stable interface \
-for scripts: keys may be added, existing ones keep their name and meaning.";
+for scripts: keys may be added, existing ones keep their name and meaning. Strings hold the \
+exact values; the characters in them a terminal would act on (control characters, bidi \
+overrides, zero-width characters) are written as \\u escapes, as they are escaped (\\u{1b}, \
+\\r) in text output.";
 
 /// Where the triage fields come from, shared by `dlq list`, `dlq stats` and the selections.
 pub(crate) const TRIAGE_FIELDS: &str = "\
@@ -40,7 +43,9 @@ too_large, requeue_limit) when it published the dead letter itself, else the bro
 reason (rejected, expired, maxlen, delivery_limit), else none. Its final error (ERROR, \
 \"final_error\"): the annotation's error, else the last retry's error \
 (x-redeliver-last-error). When it died (DEAD_LETTERED_AT, \"dead_lettered_at\"): the \
-annotation's time, else the broker's x-death time.";
+annotation's time, else the broker's x-death time. Times are RFC 3339; one past the year \
+9999 (which a publisher can write) is shown with an expanded year \
+(+584554051223-11-09T07:00:15Z) and counts as unknown.";
 
 /// How --reason, --error-contains, --older-than and --message-id select, for `replay`/`purge`.
 pub(crate) const SELECTION: &str = "\
@@ -366,10 +371,12 @@ interruption never loses a message; at worst one message is in both queues (a du
 the message_id lets a handler detect). Messages that are not selected (see below, and \
 --limit, which caps how many selected messages move) stay in the DLQ in their order. Messages \
 dead-lettered again while the replay runs are not replayed a second time. Ctrl-C stops after \
-the message in progress.\n\n{SELECTION} Example: `redeliver dlq replay images --reason \
-retries_exhausted --error-contains timeout`.\n\n--json prints {{\"queue\", \
-\"destination\", \"dry_run\", \"moved\", \"examined\", \"messages\": [{{\"position\", \
-\"message_id\", \"destination\"}}], \"skipped\": [{{\"position\", \"message_id\", \
+the message in progress. A selective replay looks past at most 65535 messages it does not move \
+(the largest prefetch AMQP can express): when it could not examine every message it says how \
+many it did not, and the exit code is 1.\n\n{SELECTION} Example: `redeliver dlq replay images \
+--reason retries_exhausted --error-contains timeout`.\n\n--json prints {{\"queue\", \
+\"destination\", \"dry_run\", \"moved\", \"examined\", \"not_examined\", \"messages\": \
+[{{\"position\", \"message_id\", \"destination\"}}], \"skipped\": [{{\"position\", \"message_id\", \
 \"error\"}}], \"missing_message_ids\", \"interrupted\"}}, also when the exit code is 1. \
 {JSON_OUTPUT}"
     ))]
@@ -380,10 +387,10 @@ Without a selection every message is deleted (queue.purge). With one, only the m
 messages are: the queue is read as by `dlq list`, each match is acknowledged (which deletes \
 it) and every other message goes back to its original position, in order, when the channel \
 closes. One run looks past at most 65535 messages it keeps (the largest prefetch AMQP can \
-express) and says when some were not examined.\n\n{SELECTION} Example: `redeliver dlq purge \
-images --reason undecodable --older-than 7d --yes`.\n\n--json prints {{\"queue\", \
-\"purged\", \"kept\", \"not_examined\", \"selection\" (the criteria, null without), \
-\"missing_message_ids\"}}. {JSON_OUTPUT}"))]
+express): when it could not examine every message it says how many it did not, and the exit \
+code is 1.\n\n{SELECTION} Example: `redeliver dlq purge images --reason undecodable \
+--older-than 7d --yes`.\n\n--json prints {{\"queue\", \"purged\", \"kept\", \"not_examined\", \
+\"selection\" (the criteria, null without), \"missing_message_ids\"}}. {JSON_OUTPUT}"))]
     Purge(PurgeArgs),
 }
 

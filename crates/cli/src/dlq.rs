@@ -4,6 +4,7 @@
 //! Both kinds of queue are read with [`crate::browse::Reader`], so a listing never reorders or
 //! drops anything, and a replay acknowledges a message only after its copy is confirmed.
 
+use std::borrow::Cow;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::SystemTime;
@@ -19,6 +20,7 @@ use crate::browse::{self, Reader, IDLE, MAX_PREFETCH};
 use crate::message::{self, Summary};
 use crate::output;
 use crate::select::Filter;
+use crate::text::escape;
 
 /// Which queue a command reads, and what its messages are.
 #[derive(Clone, Debug)]
@@ -44,9 +46,9 @@ impl Source {
 
     pub(crate) fn summarize(&self, position: usize, d: &lapin::message::Delivery) -> Summary {
         match self {
-            Source::Dlq { home, .. } => message::summarize(position, d, Some(home), None),
+            Source::Dlq { home, .. } => message::summarize(position, d.into(), Some(home), None),
             Source::Unroutable { levels, .. } => {
-                message::summarize(position, d, None, Some(*levels))
+                message::summarize(position, d.into(), None, Some(*levels))
             }
         }
     }
@@ -80,13 +82,17 @@ pub(crate) async fn list(
     json: bool,
 ) -> anyhow::Result<()> {
     let queue = src.queue();
-    let (scanned, deliveries) = browse::snapshot(conn, queue, limit).await?;
-    let rows: Vec<Summary> = deliveries
-        .iter()
-        .enumerate()
-        .map(|(i, d)| src.summarize(i + 1, d))
-        .filter(|s| src.wanted(s))
-        .collect();
+    // Summaries as the messages come: the bodies are not kept, only bounded previews.
+    let mut rows: Vec<Summary> = Vec::new();
+    let mut position = 0usize;
+    let scanned = browse::scan(conn, queue, limit, "reading", |d| {
+        position += 1;
+        let s = src.summarize(position, &d);
+        if src.wanted(&s) {
+            rows.push(s);
+        }
+    })
+    .await?;
     let note = scanned.shortfall_note(queue);
     if json {
         if let Some(note) = note {
@@ -119,18 +125,26 @@ pub(crate) async fn peek(
     json: bool,
 ) -> anyhow::Result<()> {
     let queue = src.queue();
-    let (scanned, deliveries) = browse::snapshot(conn, queue, MAX_PREFETCH).await?;
-    let found = deliveries.iter().enumerate().find(|(_, d)| {
-        d.properties
+    // Only the message asked for is kept; every other one is dropped as it is read.
+    let mut found: Option<(usize, lapin::message::Delivery)> = None;
+    let mut position = 0usize;
+    let scanned = browse::scan(conn, queue, MAX_PREFETCH, "reading", |d| {
+        position += 1;
+        let wanted = d
+            .properties
             .message_id()
             .as_ref()
-            .is_some_and(|m| m.as_str() == message_id)
-    });
-    let Some((i, d)) = found else {
+            .is_some_and(|m| m.as_str() == message_id);
+        if found.is_none() && wanted {
+            found = Some((position, d));
+        }
+    })
+    .await?;
+    let Some((position, d)) = found else {
         anyhow::bail!(
             "no message with message_id '{message_id}' among the {} message(s) read from \
              '{queue}' ({} ready); list them with `redeliver {} list`",
-            deliveries.len(),
+            scanned.read,
             scanned.counts.messages,
             match src {
                 Source::Dlq { .. } => "dlq",
@@ -139,9 +153,12 @@ pub(crate) async fn peek(
         );
     };
     if json {
-        output::print_json(&output::message_json(i + 1, queue, d), "the message")?;
+        output::print_json(
+            &output::message_json(position, queue, (&d).into()),
+            "the message",
+        )?;
     } else {
-        print!("{}", output::message_text(i + 1, queue, d));
+        print!("{}", output::message_text(position, queue, (&d).into()));
     }
     Ok(())
 }
@@ -187,13 +204,17 @@ impl Skipped {
         format!(
             "{}: {}",
             label(self.position, self.message_id.as_deref()),
-            self.error
+            escape(&self.error)
         )
     }
 }
 
+/// "#3 message_id m-1", for text output: the id is escaped (it is the publisher's).
 fn label(position: usize, id: Option<&str>) -> String {
-    format!("#{position} message_id {}", id.unwrap_or("(none)"))
+    format!(
+        "#{position} message_id {}",
+        id.map_or(Cow::Borrowed("(none)"), escape)
+    )
 }
 
 /// What a replay did. The field names are the keys of `replay --json`.
@@ -206,6 +227,14 @@ struct Report {
     moved: u64,
     /// Messages looked at (selected or not).
     examined: u64,
+    /// Messages that were ready when the replay started and that it never looked at: the
+    /// broker stopped handing them out (a filtered replay can look past at most 65535
+    /// unselected messages, which stay unacknowledged) or another consumer took them.
+    not_examined: u64,
+    /// Whether criteria chose the messages (then an unexamined one may be a selected one that
+    /// did not move, and the replay fails).
+    #[serde(skip)]
+    filtering: bool,
     messages: Vec<Moved>,
     skipped: Vec<Skipped>,
     missing_message_ids: Vec<String>,
@@ -259,9 +288,10 @@ pub(crate) async fn replay(
             (Source::Unroutable { .. }, None) => None,
         },
         dry_run: sel.dry_run,
+        filtering: !sel.filter.is_empty() || src.selection().is_some(),
         ..Report::default()
     };
-    let filtering = !sel.filter.is_empty() || src.selection().is_some();
+    let filtering = report.filtering;
     let limit = sel.limit.unwrap_or(u64::MAX);
     let scan = if filtering {
         u64::from(counts.messages)
@@ -340,7 +370,7 @@ fn print_replay_text(report: &Report) {
             println!(
                 "would move {} to '{}'",
                 label(m.position, m.message_id.as_deref()),
-                m.destination
+                escape(&m.destination)
             );
         }
     }
@@ -351,7 +381,7 @@ fn print_replay_text(report: &Report) {
     };
     let dest = report.destination.as_ref().map_or_else(
         || "their destination queues".to_owned(),
-        |d| format!("'{d}'"),
+        |d| format!("'{}'", escape(d)),
     );
     println!(
         "{verb} {} message(s) from '{}' to {dest}{}",
@@ -367,6 +397,12 @@ fn print_replay_text(report: &Report) {
         println!(
             "interrupted: the remaining messages are still in '{}'",
             report.queue
+        );
+    }
+    if report.not_examined > 0 {
+        println!(
+            "{} message(s) of '{}' were not examined: run the replay again",
+            report.not_examined, report.queue
         );
     }
     for s in &report.skipped {
@@ -387,6 +423,17 @@ fn finish_replay(mut report: Report, filter: &Filter, json: bool) -> anyhow::Res
             "{} message(s) could not be replayed and are still in '{}'",
             report.skipped.len(),
             report.queue
+        );
+    }
+    if report.filtering && report.not_examined > 0 {
+        anyhow::bail!(
+            "{} of the messages in '{}' were not examined, so selected ones may remain: the \
+             broker stopped handing them out after {} (a filtered replay can look past at most \
+             {MAX_PREFETCH} unselected messages, and another consumer may have taken some); \
+             run the replay again",
+            report.not_examined,
+            report.queue,
+            report.examined
         );
     }
     missing_ids_error(&report.missing_message_ids)
@@ -441,6 +488,7 @@ async fn replay_loop(
             break;
         }
         let Some(d) = reader.next(IDLE).await? else {
+            report.not_examined = run.scan - report.examined;
             break;
         };
         report.examined += 1;
@@ -570,12 +618,22 @@ impl PurgeReport {
         println!("{line}");
     }
 
-    /// Prints the report, then fails if a requested message_id was not found.
+    /// Prints the report, then fails if some messages were not examined (they may include
+    /// selected ones that are still there) or a requested message_id was not found.
     fn finish(self, json: bool) -> anyhow::Result<()> {
         if json {
             output::print_json(&self, "the purge report")?;
         } else {
             self.print_text();
+        }
+        if self.not_examined > 0 {
+            anyhow::bail!(
+                "{} message(s) of '{}' were not examined, so selected ones may remain: a \
+                 selective purge can look past at most {MAX_PREFETCH} kept messages (or another \
+                 consumer took some); run the purge again",
+                self.not_examined,
+                self.queue
+            );
         }
         missing_ids_error(&self.missing_message_ids)
     }
@@ -675,4 +733,60 @@ pub(crate) async fn purge(conn: &Connection, queue: &str, json: bool) -> anyhow:
         ..PurgeReport::default()
     }
     .finish(json)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_filtered_replay_that_could_not_look_at_everything_fails() {
+        let report = || Report {
+            queue: "q.dlq".into(),
+            examined: 65_535,
+            not_examined: 10,
+            filtering: true,
+            ..Report::default()
+        };
+        let err = finish_replay(report(), &Filter::default(), false).unwrap_err();
+        assert!(
+            err.to_string()
+                .starts_with("10 of the messages in 'q.dlq' were not examined"),
+            "{err}"
+        );
+        // Unfiltered, nothing was left behind that should have moved: the count is reported
+        // and the messages are still there for the next run.
+        let unfiltered = Report {
+            filtering: false,
+            ..report()
+        };
+        assert!(finish_replay(unfiltered, &Filter::default(), false).is_ok());
+    }
+
+    #[test]
+    fn a_selective_purge_that_could_not_look_at_everything_fails() {
+        let report = PurgeReport {
+            queue: "q.dlq".into(),
+            purged: 1,
+            kept: 65_535,
+            not_examined: 4,
+            selection: Some("--reason permanent".into()),
+            missing_message_ids: Vec::new(),
+        };
+        let err = report.finish(true).unwrap_err();
+        assert!(
+            err.to_string()
+                .starts_with("4 message(s) of 'q.dlq' were not examined"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn labels_escape_the_message_id() {
+        assert_eq!(
+            label(3, Some("m\u{1b}[31m\r")),
+            "#3 message_id m\\u{1b}[31m\\r"
+        );
+        assert_eq!(label(1, None), "#1 message_id (none)");
+    }
 }

@@ -10,6 +10,8 @@ use redeliver_amqp::TopologyError;
 
 use redeliver_amqp::url::BrokerUrl;
 
+use crate::text;
+
 /// Exit code of a usage error (clap uses the same).
 pub(crate) const EXIT_USAGE: u8 = 2;
 /// Exit code of every other error.
@@ -70,17 +72,21 @@ pub(crate) fn exit_code(err: &anyhow::Error) -> u8 {
 
 /// The full text printed on stderr: `error: ...` and zero or more `hint: ...` lines, scrubbed of
 /// the password.
+///
+/// Error texts quote the broker (its close reasons, queue names, message ids, routing keys),
+/// so each line is escaped ([`text::escape`]): one message must not be able to forge lines or
+/// send escape sequences to the terminal through an error. The password is scrubbed before
+/// escaping (an escaped password would no longer be found) and once more from the whole text.
 pub(crate) fn render(err: &anyhow::Error, url: Option<&BrokerUrl>, ctx: &HintContext) -> String {
-    let mut out = format!("error: {}\n", chain_text(err));
+    let scrub = |s: &str| url.map_or_else(|| s.to_owned(), |u| u.scrub(s));
+    let line = |s: &str| text::escape(&scrub(s)).into_owned();
+    let mut out = format!("error: {}\n", line(&chain_text(err)));
     for hint in hints(err, url, ctx) {
         out.push_str("hint: ");
-        out.push_str(&hint);
+        out.push_str(&line(&hint));
         out.push('\n');
     }
-    match url {
-        Some(u) => u.scrub(&out),
-        None => out,
-    }
+    scrub(&out)
 }
 
 /// The cause chain joined by ": ". lapin's errors repeat their source in their own message, so a
@@ -326,6 +332,18 @@ mod tests {
         let e = anyhow::Error::new(UsageError("x".into())).context("while parsing");
         assert_eq!(exit_code(&e), EXIT_USAGE);
         assert_eq!(exit_code(&anyhow::anyhow!("boom")), EXIT_ERROR);
+    }
+
+    #[test]
+    fn broker_text_in_errors_is_escaped() {
+        let e = anyhow::anyhow!("routing key 'rk\u{1b}[2J\r\nerror: forged' names no queue")
+            .context("#3 message_id \u{202e}di");
+        let out = render(&e, None, &HintContext::default());
+        assert_eq!(
+            out,
+            "error: #3 message_id \\u{202e}di: routing key 'rk\\u{1b}[2J\\r\\nerror: forged' \
+             names no queue\n"
+        );
     }
 
     #[test]

@@ -16,6 +16,7 @@ mod message;
 mod output;
 mod probe;
 mod select;
+mod text;
 mod topology;
 mod triage;
 

@@ -1,13 +1,15 @@
 //! What the CLI reads out of a dead-lettered or parked message, and how it rebuilds one for
 //! replay.
 
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, SystemTime};
 
 use lapin::message::Delivery;
 use lapin::types::{AMQPValue, FieldTable, ShortString};
 use lapin::BasicProperties;
 use redeliver_amqp::headers::{self, DeadLetterInfo, RetryState, XDeath};
 use serde::Serialize;
+
+use crate::text;
 
 /// Headers the broker writes when it dead-letters or redelivers. From RabbitMQ 3.13 the broker
 /// owns `x-*` headers and ignores them on republished messages, and on older brokers a stale
@@ -18,6 +20,29 @@ const BROKER_HEADER_PREFIXES: &[&str] =
 
 /// Length of the body preview in `list` tables and JSON.
 pub(crate) const PREVIEW_CHARS: usize = 60;
+
+/// The parts of a delivery the CLI reads, all chosen by the publisher or the broker, without
+/// the acker (which only lapin can make), so the rendering can be tested on any value.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Msg<'a> {
+    pub exchange: &'a ShortString,
+    pub routing_key: &'a ShortString,
+    pub redelivered: bool,
+    pub properties: &'a BasicProperties,
+    pub data: &'a [u8],
+}
+
+impl<'a> From<&'a Delivery> for Msg<'a> {
+    fn from(d: &'a Delivery) -> Self {
+        Self {
+            exchange: &d.exchange,
+            routing_key: &d.routing_key,
+            redelivered: d.redelivered,
+            properties: &d.properties,
+            data: &d.data,
+        }
+    }
+}
 
 /// One x-death entry, as shown to operators.
 #[derive(Clone, Debug, Serialize)]
@@ -98,11 +123,11 @@ pub(crate) struct Summary {
 /// entry; `levels` (unroutable only) lets the destination be read from the routing key.
 pub(crate) fn summarize(
     position: usize,
-    d: &Delivery,
+    d: Msg<'_>,
     source_queue: Option<&str>,
     levels: Option<u8>,
 ) -> Summary {
-    let p = &d.properties;
+    let p = d.properties;
     let hdrs = p.headers().as_ref();
     let state = RetryState::read(hdrs);
     let deaths = headers::x_death(hdrs);
@@ -150,7 +175,7 @@ pub(crate) fn summarize(
             .and_then(as_i64),
         destination: levels.and_then(|l| destination_from_routing_key(d.routing_key.as_str(), l)),
         body_bytes: d.data.len(),
-        body_preview: preview(&d.data, PREVIEW_CHARS),
+        body_preview: preview(d.data, PREVIEW_CHARS),
     }
 }
 
@@ -175,7 +200,7 @@ impl Summary {
 pub(crate) fn parse_rfc3339(s: &str) -> Option<SystemTime> {
     let s = s.trim();
     if let Some(utc) = s.strip_suffix(['Z', 'z']) {
-        return humantime::parse_rfc3339_weak(utc).ok();
+        return local_time(utc);
     }
     // "...+HH:MM" / "...-HH:MM": the last six characters, after the seconds.
     let split = s.len().checked_sub(6).filter(|&i| s.is_char_boundary(i))?;
@@ -183,14 +208,14 @@ pub(crate) fn parse_rfc3339(s: &str) -> Option<SystemTime> {
     let sign = match offset.as_bytes().first() {
         Some(b'+') => 1i64,
         Some(b'-') => -1i64,
-        _ => return humantime::parse_rfc3339_weak(s).ok(),
+        _ => return local_time(s),
     };
     let (h, m) = offset[1..].split_once(':')?;
     let (h, m): (u64, u64) = (h.parse().ok()?, m.parse().ok()?);
     if h > 23 || m > 59 {
         return None;
     }
-    let local = humantime::parse_rfc3339_weak(local).ok()?;
+    let local = local_time(local)?;
     let shift = Duration::from_secs(h * 3600 + m * 60);
     // Local time = UTC + offset, so UTC = local - offset.
     if sign > 0 {
@@ -198,6 +223,36 @@ pub(crate) fn parse_rfc3339(s: &str) -> Option<SystemTime> {
     } else {
         local.checked_add(shift)
     }
+}
+
+/// `YYYY-MM-DDTHH:MM:SS[.fraction]` as UTC. The shape is checked here because humantime's weak
+/// parser ignores some trailing characters ("...00Zjunk" is not a time, and must not count as
+/// one for `--older-than`).
+fn local_time(s: &str) -> Option<SystemTime> {
+    let b = s.as_bytes();
+    let digits =
+        |r: std::ops::Range<usize>| b.get(r).is_some_and(|d| d.iter().all(u8::is_ascii_digit));
+    let shape = b.len() >= 19
+        && digits(0..4)
+        && b[4] == b'-'
+        && digits(5..7)
+        && b[7] == b'-'
+        && digits(8..10)
+        && matches!(b[10], b'T' | b't' | b' ')
+        && digits(11..13)
+        && b[13] == b':'
+        && digits(14..16)
+        && b[16] == b':'
+        && digits(17..19)
+        && match b.get(19) {
+            None => true,
+            Some(b'.') => b.len() > 20 && digits(20..b.len()),
+            Some(_) => false,
+        };
+    if !shape {
+        return None;
+    }
+    humantime::parse_rfc3339_weak(s).ok()
 }
 
 fn short(v: &Option<ShortString>) -> Option<String> {
@@ -217,10 +272,10 @@ fn as_i64(v: &AMQPValue) -> Option<i64> {
     }
 }
 
-/// Seconds since the epoch -> "2024-05-01T12:00:00Z".
+/// Seconds since the epoch -> "2024-05-01T12:00:00Z", for any value a publisher chose (see
+/// [`text::unix_time`]).
 pub(crate) fn unix_to_rfc3339(secs: u64) -> String {
-    let t = UNIX_EPOCH + Duration::from_secs(secs);
-    humantime::format_rfc3339_seconds(t).to_string()
+    text::unix_time(secs)
 }
 
 /// Now, for "read at" lines.
@@ -228,18 +283,77 @@ pub(crate) fn now_rfc3339() -> String {
     humantime::format_rfc3339_seconds(SystemTime::now()).to_string()
 }
 
-/// A one-line preview: JSON re-serialized compactly, UTF-8 text with control characters
-/// escaped, binary as a byte count and hex head. Truncated on a char boundary with "…".
+/// Bodies up to this size are parsed as JSON for their preview. Beyond it only the head is
+/// read: listing thousands of 16 MiB messages must not parse (and hold the tree of) each one.
+const PREVIEW_PARSE_MAX: usize = 64 * 1024;
+/// Bytes of a body the text preview looks at: plenty for [`PREVIEW_CHARS`] characters, even
+/// of pretty-printed JSON.
+const PREVIEW_HEAD: usize = 4 * 1024;
+
+/// A one-line preview: JSON compacted, UTF-8 text with control characters escaped, binary as a
+/// byte count and hex head. Truncated on a char boundary with "…". Reads at most
+/// [`PREVIEW_PARSE_MAX`] bytes of the body, so its cost does not grow with the body.
 pub(crate) fn preview(body: &[u8], max_chars: usize) -> String {
-    let text = if let Ok(v) = serde_json::from_slice::<serde_json::Value>(body) {
-        v.to_string()
-    } else if let Ok(s) = std::str::from_utf8(body) {
-        s.chars().flat_map(char::escape_debug).collect::<String>()
-    } else {
-        let head: String = body.iter().take(16).map(|b| format!("{b:02x}")).collect();
-        format!("<{} bytes binary: {head}>", body.len())
+    if body.len() <= PREVIEW_PARSE_MAX {
+        if let Ok(v) = serde_json::from_slice::<serde_json::Value>(body) {
+            return truncate_chars(&text::escape(&v.to_string()), max_chars);
+        }
+    }
+    let head = &body[..body.len().min(PREVIEW_HEAD)];
+    let head_text = match std::str::from_utf8(head) {
+        Ok(s) => Some(s),
+        // A head cut inside a character: what comes before the cut is text.
+        Err(e) if e.error_len().is_none() && head.len() < body.len() => {
+            std::str::from_utf8(&head[..e.valid_up_to()]).ok()
+        }
+        Err(_) => None,
     };
-    truncate_chars(&text, max_chars)
+    let Some(head_text) = head_text else {
+        let hex: String = body.iter().take(16).map(|b| format!("{b:02x}")).collect();
+        return format!("<{} bytes binary: {hex}>", body.len());
+    };
+    let shown = if body.len() > PREVIEW_PARSE_MAX && looks_like_json(head_text) {
+        compact_json_text(head_text)
+    } else {
+        head_text.to_owned()
+    };
+    if head.len() == body.len() {
+        return truncate_chars(&text::escape(&shown), max_chars);
+    }
+    // Only the head was read: the preview says there is more.
+    let mut out = truncate_chars(&text::escape(&shown), max_chars.saturating_sub(1));
+    if !out.ends_with('…') {
+        out.push('…');
+    }
+    out
+}
+
+fn looks_like_json(s: &str) -> bool {
+    matches!(s.trim_start().as_bytes().first(), Some(b'{' | b'['))
+}
+
+/// The head of a JSON document without the whitespace between its tokens, as a parse and
+/// re-serialization would give, without needing the whole document.
+fn compact_json_text(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    let (mut in_string, mut escaped) = (false, false);
+    for c in s.chars() {
+        if in_string {
+            out.push(c);
+            match (escaped, c) {
+                (true, _) => escaped = false,
+                (false, '\\') => escaped = true,
+                (false, '"') => in_string = false,
+                _ => {}
+            }
+        } else if c == '"' {
+            in_string = true;
+            out.push(c);
+        } else if !matches!(c, ' ' | '\n' | '\r' | '\t') {
+            out.push(c);
+        }
+    }
+    out
 }
 
 /// Cuts `s` to at most `max` characters, marking the cut with "…".
@@ -340,6 +454,7 @@ pub(crate) fn replay_headers(h: &FieldTable, reset_retry_state: bool) -> FieldTa
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::time::UNIX_EPOCH;
 
     #[test]
     fn destination_is_after_the_bit_words() {
@@ -369,6 +484,16 @@ mod tests {
         assert_eq!(parse_rfc3339("yesterday"), None);
         assert_eq!(parse_rfc3339("2024-05-01T14:00:00+2x:00"), None);
         assert_eq!(parse_rfc3339(""), None);
+        // Trailing junk that humantime's weak parser would skip.
+        assert_eq!(parse_rfc3339("2024-05-01T12:00:00Z\u{1b}[2J"), None);
+        assert_eq!(parse_rfc3339("2024-05-01T12:00:00Zjunk"), None);
+        assert_eq!(parse_rfc3339("2024-05-01X12:00:00Z"), None);
+        assert_eq!(parse_rfc3339("2024-05-01T12:00:00.Z"), None);
+        assert_eq!(parse_rfc3339("é024-05-01T12:00:00Z"), None);
+        assert_eq!(parse_rfc3339("2024Z"), None);
+        assert_eq!(parse_rfc3339("2024-+01:00"), None);
+        assert_eq!(parse_rfc3339("+10000-01-01T00:00:00Z"), None);
+        assert_eq!(parse_rfc3339(" 2024-05-01T12:00:00Z\r\n"), Some(utc));
     }
 
     #[test]
@@ -443,5 +568,49 @@ mod tests {
             Some("application/json")
         );
         assert!(r.user_id().is_none());
+    }
+}
+
+#[cfg(test)]
+mod properties {
+    use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        #[test]
+        fn any_text_parses_or_not_without_panicking(s in "\\PC{0,40}") {
+            let _ = parse_rfc3339(&s);
+        }
+
+        #[test]
+        fn times_round_trip_up_to_9999(secs in 0..=crate::text::RFC3339_MAX_SECS) {
+            let t = std::time::UNIX_EPOCH + Duration::from_secs(secs);
+            prop_assert_eq!(parse_rfc3339(&unix_to_rfc3339(secs)), Some(t));
+        }
+
+        #[test]
+        fn previews_are_bounded(body in proptest::collection::vec(any::<u8>(), 0..6000)) {
+            let p = preview(&body, PREVIEW_CHARS);
+            prop_assert!(p.chars().count() <= PREVIEW_CHARS.max(40));
+            prop_assert!(!p.chars().any(crate::text::is_unsafe));
+        }
+    }
+
+    #[test]
+    fn large_bodies_are_previewed_from_their_head() {
+        let mut big = b"{\n  \"order\": 1,\n  \"note\": \"a \\\" b\",\n  \"pad\": \"".to_vec();
+        big.extend(std::iter::repeat_n(b'x', PREVIEW_PARSE_MAX));
+        big.extend(b"\"\n}");
+        assert_eq!(
+            preview(&big, 40),
+            r#"{"order":1,"note":"a \" b","pad":"xxxx…"#
+        );
+        // Cut inside a character: still text.
+        let mut utf8 = "é".repeat(PREVIEW_PARSE_MAX).into_bytes();
+        utf8.insert(0, b'a');
+        assert!(preview(&utf8, 10).starts_with("aééé"));
+        let mut binary = vec![0xffu8; 10];
+        binary.extend(std::iter::repeat_n(b'a', PREVIEW_PARSE_MAX));
+        assert!(preview(&binary, 60).starts_with(&format!("<{} bytes binary: ffff", binary.len())));
     }
 }

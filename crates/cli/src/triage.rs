@@ -15,6 +15,7 @@ use crate::cli::GroupBy;
 use crate::dlq::Source;
 use crate::message::{self, Summary};
 use crate::output;
+use crate::text::escape;
 
 /// Counts per distinct key (None = messages without one).
 #[derive(Debug, Default)]
@@ -210,11 +211,15 @@ pub(crate) async fn stats(
 }
 
 /// "2024-05-01T12:00:00Z (3h 2m ago)"; the age is left out when the time cannot be read.
+/// `at` is a header's text, so it is printed escaped.
 fn with_age(at: &str, now: SystemTime) -> String {
+    let shown = escape(at);
     match message::parse_rfc3339(at).and_then(|t| now.duration_since(t).ok()) {
-        Some(age) if age >= Duration::from_secs(60) => format!("{at} ({} ago)", rough_age(age)),
-        Some(_) => format!("{at} (less than a minute ago)"),
-        None => at.to_owned(),
+        Some(age) if age >= Duration::from_secs(60) => {
+            format!("{shown} ({} ago)", rough_age(age))
+        }
+        Some(_) => format!("{shown} (less than a minute ago)"),
+        None => shown.into_owned(),
     }
 }
 
@@ -318,6 +323,15 @@ mod tests {
             "2024-05-01T11:59:30Z (less than a minute ago)"
         );
         assert_eq!(with_age("garbage", now), "garbage");
+        assert_eq!(
+            with_age("2024-05-01T09:29:30Z\r\u{1b}[2J", now),
+            "2024-05-01T09:29:30Z\\r\\u{1b}[2J",
+            "a header's text, escaped"
+        );
+        assert_eq!(
+            with_age("+584554051223-11-09T07:00:15Z", now),
+            "+584554051223-11-09T07:00:15Z"
+        );
         assert_eq!(
             with_age("2022-01-01T00:00:00Z", now),
             "2022-01-01T00:00:00Z (851d 12h ago)"
