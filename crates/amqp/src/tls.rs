@@ -253,11 +253,9 @@ pub async fn connect_url(
     } else {
         OwnedTLSConfig::default()
     };
-    let runtime = lapin::runtime::default_runtime().map_err(|source| ConnectError::Amqp {
-        redacted: url.redacted().to_owned(),
-        source,
-    })?;
-    Connection::connect_uri_with_config(uri, props, owned, runtime)
+    // Through the header guard: lapin's parser overflows its thread's stack on deeply nested
+    // headers, and a publisher decides how deep they nest (see `frame_guard`).
+    crate::frame_guard::connect(uri, props, owned)
         .await
         .map_err(|source| classify(url, tls.client_cert.is_some(), source))
 }

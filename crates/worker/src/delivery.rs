@@ -139,6 +139,14 @@ impl DeliveryTask {
             // delivery limit): RabbitMQ crashes reading such a header.
             return Outcome::Repair(repaired);
         }
+        if let Some(removed) =
+            redeliver_amqp::headers_removed(delivery.properties.headers().as_ref())
+        {
+            // Headers nested too deep for lapin's parser were cut on receipt (the amqp crate's
+            // frame guard): no handler sees a message that is not what was sent. A poison pill,
+            // never retried; the broker's dead letter (reject mode) keeps the original headers.
+            return Outcome::undecodable(&removed);
+        }
         let config = &self.worker.config;
         if state.attempt == 0 {
             // Fresh message: a deposit in the retry budget (retries withdraw).

@@ -1,0 +1,925 @@
+//! Guards lapin's frame parser against hostile header tables: every connection redeliver opens
+//! reads its socket through [`GuardedStream`], which rewrites a content-header frame whose
+//! `headers` nest deeper than [`MAX_HEADER_DEPTH`] (or do not fit the negotiated frame size)
+//! before lapin sees it.
+//!
+//! Why below lapin: lapin parses every frame on its I/O thread, a plain thread it spawns itself
+//! (2 MiB of stack, no setting for it), with amq-protocol-types' recursive
+//! `parse_field_table` / `parse_field_array`, which have no depth limit. With
+//! amq-protocol-types 10.6.3 that thread overflows its stack, and the process aborts, at 233
+//! nested arrays (205 tables) in a debug build and 1,403 (1,144) in release; one 131072-byte
+//! frame holds 26,208 levels, and RabbitMQ 3.10.8's management API published a header nested
+//! 3,000,000 deep (6 MB, no frame limit there). No stack fits the second, and a smaller
+//! `frame_max` would not help: the broker sends a content header in one frame whatever its size.
+//! So the depth is bounded before the parser runs: a scan without recursion finds each
+//! top-level header's depth and length, and an entry nested deeper than the limit is replaced
+//! by a string saying so. Everything else passes through unchanged, body frames without a copy
+//! (see docs/upstream/amq-protocol-nested-field-table-stack-overflow.md).
+//!
+//! A rewritten message carries [`HEADERS_REMOVED`], saying what was removed; the worker
+//! dead-letters such a message (its own copy in the broker keeps the original headers), the CLI
+//! shows it. The header is stripped from anything received, so it always means "altered on this
+//! receipt", never what a publisher claims.
+
+use std::fmt;
+use std::io;
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::task::{ready, Context, Poll};
+use std::time::{Duration, Instant};
+
+use async_rs::traits::Reactor;
+use async_rs::util::RuntimeParts;
+use async_rs::{Runtime, Tokio};
+use futures::io::{AsyncRead, AsyncWrite};
+use futures::Stream;
+use lapin::tcp::{AMQPUriTcpExt, AsyncTcpStream, OwnedTLSConfig};
+use lapin::types::{AMQPValue, FieldTable};
+use lapin::uri::AMQPUri;
+use lapin::{Connection, ConnectionProperties};
+
+/// How deep a header value may nest (a top-level array or table is level 1) before it is
+/// removed on receipt. Real headers nest 3 levels (`x-death`: an array of tables of arrays);
+/// at 32 levels lapin's parser needs about 300 KiB of stack in a debug build, well within the
+/// 2 MiB of its I/O thread, and our own code (clone, drop, encoding, rendering) as little.
+pub const MAX_HEADER_DEPTH: usize = 32;
+
+/// Set on a message whose headers were rewritten on receipt: a `longstr` saying which headers
+/// were removed and why. See [`headers_removed`].
+pub const HEADERS_REMOVED: &str = "x-redeliver-headers-removed";
+
+/// Headers of a delivery were removed on receipt (nested too deep, too large, unreadable): the
+/// message cannot be taken apart as it was sent.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct HeadersRemoved(pub String);
+
+/// Why headers of this delivery were removed on receipt, if they were.
+pub fn headers_removed(headers: Option<&FieldTable>) -> Option<HeadersRemoved> {
+    let value = headers?.inner().get(HEADERS_REMOVED)?;
+    let text = match value {
+        AMQPValue::LongString(s) => String::from_utf8_lossy(s.as_bytes()).into_owned(),
+        other => format!("{other:?}"),
+    };
+    Some(HeadersRemoved(text))
+}
+
+const FRAME_METHOD: u8 = 1;
+const FRAME_HEADER: u8 = 2;
+const FRAME_BODY: u8 = 3;
+const FRAME_HEARTBEAT_OLD: u8 = 4;
+const FRAME_HEARTBEAT: u8 = 8;
+const FRAME_END: u8 = 0xCE;
+/// Type, channel, size.
+const FRAME_HEAD: usize = 7;
+/// Head and end byte around a payload.
+const FRAME_OVERHEAD: usize = 8;
+/// The `headers` bit of the basic class's property flags.
+const HEADERS_FLAG: u16 = 1 << 13;
+/// Class 10 (connection), method 30 (tune).
+const CONNECTION_TUNE: [u8; 4] = [0, 10, 0, 30];
+/// How many removed header names the marker lists.
+const NAMES_LISTED: usize = 8;
+
+/// What the guard is doing with the bytes coming in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum State {
+    /// Reading a frame's 7-byte head.
+    Head,
+    /// Passing this many more bytes of the current frame through as they are.
+    Pass(usize),
+    /// Buffering a frame's payload and end byte (this many in all) to look at it whole.
+    Hold(usize),
+    /// Not a frame stream (the broker answered the protocol header with its own): everything
+    /// passes through, lapin reports it.
+    Transparent,
+}
+
+/// The byte-level rewriter: frames in, frames out.
+pub(crate) struct FrameGuard {
+    state: State,
+    head: [u8; FRAME_HEAD],
+    head_len: usize,
+    held: Vec<u8>,
+    out: Vec<u8>,
+    out_pos: usize,
+    /// The frame size a rewritten frame must fit (0: no limit): the broker's, from
+    /// `connection.tune`, or the client's own lower one.
+    frame_max: u32,
+    client_frame_max: u32,
+}
+
+impl fmt::Debug for FrameGuard {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("FrameGuard")
+            .field("state", &self.state)
+            .field("frame_max", &self.frame_max)
+            .finish_non_exhaustive()
+    }
+}
+
+impl FrameGuard {
+    /// `client_frame_max`: the frame size the client asks for (0: the broker's).
+    pub(crate) fn new(client_frame_max: u32) -> Self {
+        Self {
+            state: State::Head,
+            head: [0; FRAME_HEAD],
+            head_len: 0,
+            held: Vec::new(),
+            out: Vec::new(),
+            out_pos: 0,
+            frame_max: client_frame_max,
+            client_frame_max,
+        }
+    }
+
+    /// Bytes ready for the parser.
+    pub(crate) fn pending(&self) -> &[u8] {
+        &self.out[self.out_pos..]
+    }
+
+    /// `n` bytes of [`Self::pending`] were taken.
+    pub(crate) fn consume(&mut self, n: usize) {
+        self.out_pos += n;
+        if self.out_pos >= self.out.len() {
+            self.out.clear();
+            self.out_pos = 0;
+        }
+    }
+
+    /// How many bytes coming next may go to the parser as they are, without passing through
+    /// the guard (nothing pending, inside a frame that is passed through).
+    pub(crate) fn direct(&self) -> usize {
+        if !self.pending().is_empty() {
+            return 0;
+        }
+        match self.state {
+            State::Pass(n) => n,
+            State::Transparent => usize::MAX,
+            State::Head | State::Hold(_) => 0,
+        }
+    }
+
+    /// `n` bytes (at most [`Self::direct`]) went to the parser directly.
+    pub(crate) fn passed_directly(&mut self, n: usize) {
+        if let State::Pass(left) = self.state {
+            let left = left.saturating_sub(n);
+            self.state = if left == 0 {
+                State::Head
+            } else {
+                State::Pass(left)
+            };
+        }
+    }
+
+    /// Takes bytes read from the broker; what the parser may see goes to [`Self::pending`].
+    pub(crate) fn feed(&mut self, mut input: &[u8]) {
+        while !input.is_empty() {
+            match self.state {
+                State::Transparent => {
+                    self.out.extend_from_slice(input);
+                    return;
+                }
+                State::Pass(left) => {
+                    let n = left.min(input.len());
+                    self.out.extend_from_slice(&input[..n]);
+                    input = &input[n..];
+                    self.state = if left == n {
+                        State::Head
+                    } else {
+                        State::Pass(left - n)
+                    };
+                }
+                State::Head => {
+                    let n = (FRAME_HEAD - self.head_len).min(input.len());
+                    self.head[self.head_len..self.head_len + n].copy_from_slice(&input[..n]);
+                    self.head_len += n;
+                    input = &input[n..];
+                    if !matches!(
+                        self.head[0],
+                        FRAME_METHOD
+                            | FRAME_HEADER
+                            | FRAME_BODY
+                            | FRAME_HEARTBEAT_OLD
+                            | FRAME_HEARTBEAT
+                    ) {
+                        // `AMQP` and a version: the broker refuses ours. Not frames to guard.
+                        self.out.extend_from_slice(&self.head[..self.head_len]);
+                        self.head_len = 0;
+                        self.state = State::Transparent;
+                        continue;
+                    }
+                    if self.head_len < FRAME_HEAD {
+                        continue;
+                    }
+                    self.head_len = 0;
+                    let channel = u16::from_be_bytes([self.head[1], self.head[2]]);
+                    let size = u32::from_be_bytes([
+                        self.head[3],
+                        self.head[4],
+                        self.head[5],
+                        self.head[6],
+                    ]) as usize;
+                    let rest = size.saturating_add(1);
+                    // Content headers are the frames that can nest; method frames of channel
+                    // 0 carry `connection.tune` and its frame size. Both are held whole.
+                    if self.head[0] == FRAME_HEADER
+                        || (self.head[0] == FRAME_METHOD && channel == 0)
+                    {
+                        self.held.clear();
+                        self.state = State::Hold(rest);
+                    } else {
+                        self.out.extend_from_slice(&self.head);
+                        self.state = State::Pass(rest);
+                    }
+                }
+                State::Hold(total) => {
+                    let n = (total - self.held.len()).min(input.len());
+                    self.held.extend_from_slice(&input[..n]);
+                    input = &input[n..];
+                    if self.held.len() == total {
+                        self.release_held();
+                        self.state = State::Head;
+                    }
+                }
+            }
+        }
+    }
+
+    /// A held frame is complete: look at it, then hand it (or its rewrite) on.
+    fn release_held(&mut self) {
+        let held = std::mem::take(&mut self.held);
+        let (payload, end) = held.split_at(held.len() - 1);
+        if end == [FRAME_END] {
+            if self.head[0] == FRAME_METHOD {
+                self.note_tune(payload);
+            } else if let Some(rewritten) = sanitize_content_header(payload, self.frame_max) {
+                self.out.push(FRAME_HEADER);
+                self.out.extend_from_slice(&self.head[1..3]);
+                // A rewrite only ever shrinks a payload, so its size fits the u32 it came in.
+                self.out.extend_from_slice(
+                    &u32::try_from(rewritten.len())
+                        .unwrap_or(u32::MAX)
+                        .to_be_bytes(),
+                );
+                self.out.extend_from_slice(&rewritten);
+                self.out.push(FRAME_END);
+                self.held = held;
+                return;
+            }
+        }
+        // Unchanged (a frame without its end byte is lapin's to report).
+        self.out.extend_from_slice(&self.head);
+        self.out.extend_from_slice(&held);
+        self.held = held;
+    }
+
+    /// `connection.tune` carries the broker's frame size; lapin takes the lower of it and its own.
+    fn note_tune(&mut self, payload: &[u8]) {
+        if payload.len() >= 10 && payload[..4] == CONNECTION_TUNE {
+            let broker = u32::from_be_bytes([payload[6], payload[7], payload[8], payload[9]]);
+            self.frame_max = match (broker, self.client_frame_max) {
+                (0, c) => c,
+                (b, 0) => b,
+                (b, c) => b.min(c),
+            };
+        }
+    }
+}
+
+/// The payload of a content-header frame rewritten so that lapin can parse it and its frame
+/// fits `frame_max` (0: no limit), or `None` when it can be passed on as it is.
+fn sanitize_content_header(payload: &[u8], frame_max: u32) -> Option<Vec<u8>> {
+    // class, weight, body size, property flags.
+    let flags = u16::from_be_bytes([*payload.get(12)?, *payload.get(13)?]);
+    if flags & HEADERS_FLAG == 0 {
+        return None;
+    }
+    let mut pos = 14;
+    // content-type and content-encoding, short strings, come before the headers.
+    for bit in [1u16 << 15, 1 << 14] {
+        if flags & bit != 0 {
+            pos += 1 + *payload.get(pos)? as usize;
+        }
+    }
+    let table_len = read_u32(payload, pos)?;
+    let body = pos + 4;
+    let end = body.checked_add(table_len)?;
+    if end > payload.len() {
+        // lapin reports a truncated table as a parse error; nothing nests beyond the frame.
+        return None;
+    }
+    let limit = match frame_max {
+        0 => usize::MAX,
+        n => (n as usize).saturating_sub(FRAME_OVERHEAD),
+    };
+    let too_large = || {
+        marker_only(&format!(
+            "the header table ({table_len} bytes) does not fit the frame size ({frame_max} bytes)"
+        ))
+    };
+    let table = match rewrite_table(&payload[body..end]) {
+        Ok(None) if payload.len() <= limit => return None,
+        Ok(None) => too_large(),
+        Ok(Some(table)) => table,
+        Err(Malformed) => marker_only("the header table cannot be read"),
+    };
+    let mut rebuilt = splice(payload, pos, end, &table);
+    if rebuilt.len() > limit {
+        rebuilt = splice(payload, pos, end, &too_large());
+    }
+    Some(rebuilt)
+}
+
+/// `payload` with the table at `pos..end` (length prefix included) replaced by `table`.
+fn splice(payload: &[u8], pos: usize, end: usize, table: &[u8]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(payload.len() - (end - pos) + table.len() + 4);
+    out.extend_from_slice(&payload[..pos]);
+    out.extend_from_slice(&u32::try_from(table.len()).unwrap_or(u32::MAX).to_be_bytes());
+    out.extend_from_slice(table);
+    out.extend_from_slice(&payload[end..]);
+    out
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Malformed;
+
+/// A table body holding only the marker.
+fn marker_only(why: &str) -> Vec<u8> {
+    let mut table = Vec::new();
+    push_entry(
+        &mut table,
+        HEADERS_REMOVED.as_bytes(),
+        &format!("{why}: removed on receipt"),
+    );
+    table
+}
+
+fn push_entry(table: &mut Vec<u8>, key: &[u8], text: &str) {
+    // Keys here are our own or came from a short string: at most 255 bytes.
+    table.push(u8::try_from(key.len()).unwrap_or(u8::MAX));
+    table.extend_from_slice(&key[..key.len().min(255)]);
+    push_long_string(table, text);
+}
+
+fn push_long_string(out: &mut Vec<u8>, text: &str) {
+    out.push(b'S');
+    out.extend_from_slice(&u32::try_from(text.len()).unwrap_or(u32::MAX).to_be_bytes());
+    out.extend_from_slice(text.as_bytes());
+}
+
+/// The table body with every entry nested deeper than [`MAX_HEADER_DEPTH`] replaced by a string,
+/// any incoming [`HEADERS_REMOVED`] dropped, and the marker added when something was removed;
+/// `None` when nothing changes.
+fn rewrite_table(body: &[u8]) -> Result<Option<Vec<u8>>, Malformed> {
+    let mut out = Vec::new();
+    let mut removed = Vec::new();
+    let mut changed = false;
+    let mut pos = 0;
+    while pos < body.len() {
+        let key_end = pos + 1 + body[pos] as usize;
+        if key_end >= body.len() {
+            return Err(Malformed);
+        }
+        let (value_end, depth) = value_extent(body, key_end)?;
+        let key = &body[pos + 1..key_end];
+        if key == HEADERS_REMOVED.as_bytes() {
+            changed = true;
+        } else if depth > MAX_HEADER_DEPTH {
+            changed = true;
+            out.extend_from_slice(&body[pos..key_end]);
+            push_long_string(
+                &mut out,
+                &format!(
+                    "removed by redeliver: nested deeper than {MAX_HEADER_DEPTH} levels ({} bytes)",
+                    value_end - key_end
+                ),
+            );
+            removed.push(String::from_utf8_lossy(key).into_owned());
+        } else {
+            out.extend_from_slice(&body[pos..value_end]);
+        }
+        pos = value_end;
+    }
+    if !changed {
+        return Ok(None);
+    }
+    if !removed.is_empty() {
+        let mut names = removed
+            .iter()
+            .take(NAMES_LISTED)
+            .map(String::as_str)
+            .collect::<Vec<_>>()
+            .join(", ");
+        if removed.len() > NAMES_LISTED {
+            names.push_str(&format!(" and {} more", removed.len() - NAMES_LISTED));
+        }
+        push_entry(
+            &mut out,
+            HEADERS_REMOVED.as_bytes(),
+            &format!(
+                "headers nested deeper than {MAX_HEADER_DEPTH} levels were removed on receipt: {names}"
+            ),
+        );
+    }
+    Ok(Some(out))
+}
+
+fn read_u32(buf: &[u8], pos: usize) -> Option<usize> {
+    let b = buf.get(pos..pos.checked_add(4)?)?;
+    Some(u32::from_be_bytes([b[0], b[1], b[2], b[3]]) as usize)
+}
+
+/// Where the field value at `pos` ends and how deep it nests (a scalar 0, `[]` 1), without
+/// recursion. A container at a depth past [`MAX_HEADER_DEPTH`] is skipped by its length, unread:
+/// the answer is then `MAX_HEADER_DEPTH + 1`. The type tags are amq-protocol-types' (RabbitMQ's).
+fn value_extent(buf: &[u8], mut pos: usize) -> Result<(usize, usize), Malformed> {
+    // End offset and kind (table or array) of each open container.
+    let mut open: Vec<(usize, bool)> = Vec::new();
+    let mut depth = 0;
+    loop {
+        let limit = open.last().map_or(buf.len(), |&(end, _)| end);
+        let tag = *buf.get(pos).ok_or(Malformed)?;
+        pos += 1;
+        let fixed = match tag {
+            b'V' => Some(0),
+            b't' | b'b' | b'B' => Some(1),
+            b's' | b'U' | b'u' => Some(2),
+            b'I' | b'i' | b'f' => Some(4),
+            b'D' => Some(5),
+            b'l' | b'L' | b'd' | b'T' => Some(8),
+            _ => None,
+        };
+        match (fixed, tag) {
+            (Some(n), _) => pos += n,
+            (None, b'S' | b'x') => pos += 4 + read_u32(buf, pos).ok_or(Malformed)?,
+            (None, b'A' | b'F') => {
+                let len = read_u32(buf, pos).ok_or(Malformed)?;
+                let start = pos + 4;
+                let end = start.checked_add(len).ok_or(Malformed)?;
+                if end > limit {
+                    return Err(Malformed);
+                }
+                if open.len() == MAX_HEADER_DEPTH {
+                    depth = MAX_HEADER_DEPTH + 1;
+                    pos = end;
+                } else {
+                    open.push((end, tag == b'F'));
+                    depth = depth.max(open.len());
+                    pos = start;
+                }
+            }
+            _ => return Err(Malformed),
+        }
+        if pos > limit {
+            return Err(Malformed);
+        }
+        // To the next value: close finished containers, read a table entry's key.
+        loop {
+            match open.last() {
+                None => return Ok((pos, depth)),
+                Some(&(end, is_table)) => {
+                    if pos == end {
+                        open.pop();
+                        continue;
+                    }
+                    if is_table {
+                        pos += 1 + *buf.get(pos).ok_or(Malformed)? as usize;
+                        if pos >= end {
+                            return Err(Malformed);
+                        }
+                    }
+                    break;
+                }
+            }
+        }
+    }
+}
+
+/// A socket read through a [`FrameGuard`]; writes go through untouched.
+pub(crate) struct GuardedStream<S> {
+    inner: S,
+    guard: FrameGuard,
+    scratch: Box<[u8]>,
+}
+
+/// What one read from the socket takes at most, when the guard looks at the bytes.
+const SCRATCH: usize = 16 * 1024;
+
+impl<S> GuardedStream<S> {
+    pub(crate) fn new(inner: S, client_frame_max: u32) -> Self {
+        Self {
+            inner,
+            guard: FrameGuard::new(client_frame_max),
+            scratch: vec![0; SCRATCH].into_boxed_slice(),
+        }
+    }
+}
+
+impl<S> fmt::Debug for GuardedStream<S> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("GuardedStream")
+            .field("guard", &self.guard)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<S: AsyncRead + Unpin> AsyncRead for GuardedStream<S> {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut [u8],
+    ) -> Poll<io::Result<usize>> {
+        let this = self.get_mut();
+        if buf.is_empty() {
+            return Poll::Ready(Ok(0));
+        }
+        loop {
+            let pending = this.guard.pending();
+            if !pending.is_empty() {
+                let n = pending.len().min(buf.len());
+                buf[..n].copy_from_slice(&pending[..n]);
+                this.guard.consume(n);
+                return Poll::Ready(Ok(n));
+            }
+            // Inside a frame passed as it is (a body, most bytes): straight into lapin's buffer.
+            let direct = this.guard.direct();
+            if direct > 0 {
+                let n = direct.min(buf.len());
+                let read = ready!(Pin::new(&mut this.inner).poll_read(cx, &mut buf[..n]))?;
+                this.guard.passed_directly(read);
+                return Poll::Ready(Ok(read));
+            }
+            let read = ready!(Pin::new(&mut this.inner).poll_read(cx, &mut this.scratch))?;
+            if read == 0 {
+                return Poll::Ready(Ok(0));
+            }
+            this.guard.feed(&this.scratch[..read]);
+        }
+    }
+}
+
+impl<S: AsyncWrite + Unpin> AsyncWrite for GuardedStream<S> {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.get_mut().inner).poll_write(cx, buf)
+    }
+
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.get_mut().inner).poll_write_vectored(cx, bufs)
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().inner).poll_flush(cx)
+    }
+
+    fn poll_close(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().inner).poll_close(cx)
+    }
+}
+
+/// lapin's tokio reactor with sockets read through the guard. lapin names its socket type by
+/// the reactor's, so the guard has to be the reactor's socket; only [`connect`]'s own connect
+/// function makes them (with TLS under the guard when the URL asks for it).
+#[derive(Clone, Debug)]
+pub(crate) struct GuardedReactor {
+    inner: Tokio,
+}
+
+type TokioSocket = <Tokio as Reactor>::TcpStream;
+
+impl Reactor for GuardedReactor {
+    type TcpStream = GuardedStream<AsyncTcpStream<TokioSocket>>;
+    type Sleep = <Tokio as Reactor>::Sleep;
+
+    // The trait's bound is async-rs' `AsSysFd`, which it does not export: these are its
+    // supertraits, and its blanket impl makes them enough for the inner reactor.
+    #[cfg(unix)]
+    fn register<
+        H: io::Read
+            + io::Write
+            + std::os::unix::io::AsFd
+            + std::os::unix::io::AsRawFd
+            + Send
+            + 'static,
+    >(
+        &self,
+        socket: H,
+    ) -> io::Result<impl AsyncRead + AsyncWrite + Send + Unpin + 'static> {
+        self.inner.register(socket)
+    }
+
+    #[cfg(windows)]
+    fn register<
+        H: io::Read
+            + io::Write
+            + std::os::windows::io::AsSocket
+            + std::os::windows::io::AsRawSocket
+            + Send
+            + 'static,
+    >(
+        &self,
+        socket: H,
+    ) -> io::Result<impl AsyncRead + AsyncWrite + Send + Unpin + 'static> {
+        self.inner.register(socket)
+    }
+
+    fn sleep(&self, dur: Duration) -> Self::Sleep {
+        self.inner.sleep(dur)
+    }
+
+    fn interval(&self, dur: Duration) -> impl Stream<Item = Instant> + Send + 'static {
+        self.inner.interval(dur)
+    }
+
+    fn tcp_connect_addr(
+        &self,
+        addr: SocketAddr,
+    ) -> impl std::future::Future<Output = io::Result<Self::TcpStream>> + Send + 'static {
+        let connecting = self.inner.tcp_connect_addr(addr);
+        async move {
+            Ok(GuardedStream::new(
+                AsyncTcpStream::Plain(connecting.await?),
+                0,
+            ))
+        }
+    }
+}
+
+/// Connects as lapin's `Connection::connect_uri_with_config` does on the current tokio runtime,
+/// with the broker's bytes read through the guard (above TLS, so it sees frames).
+pub(crate) async fn connect(
+    uri: AMQPUri,
+    props: ConnectionProperties,
+    tls: OwnedTLSConfig,
+) -> lapin::Result<Connection> {
+    let tokio = Tokio::current();
+    let plain = Runtime::new(tokio.clone());
+    let runtime = Runtime::new(RuntimeParts::new(
+        tokio.clone(),
+        GuardedReactor { inner: tokio },
+    ));
+    let client_frame_max = uri.query.frame_max.unwrap_or(0);
+    Connection::connector(
+        uri,
+        runtime,
+        async move |uri: AMQPUri, _runtime| {
+            let socket = AMQPUriTcpExt::connect_with_config_async(&uri, tls.as_ref(), &plain)
+                .await
+                .map_err(lapin::Error::from)?;
+            Ok(AsyncTcpStream::Plain(GuardedStream::new(
+                socket,
+                client_frame_max,
+            )))
+        },
+        props,
+    )
+    .await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use amq_protocol::frame::{parse_frame, AMQPFrame};
+
+    /// RabbitMQ's default `frame_max`, the largest content header it accepts over AMQP.
+    const FRAME_MAX: u32 = 131_072;
+
+    /// A value nesting `depth` arrays (`A`), tables (`F`, one entry `k` each) or both in turn
+    /// (`M`), written without recursion.
+    fn nested(kind: u8, depth: usize) -> Vec<u8> {
+        let tag = |i: usize| match kind {
+            b'M' if i % 2 == 1 => b'F',
+            b'M' => b'A',
+            k => k,
+        };
+        // Bytes of level i's own opening: tag, length, and a key when its parent is a table.
+        let mut sizes = vec![0usize; depth + 1];
+        for i in (0..depth).rev() {
+            let key = if i + 1 < depth && tag(i) == b'F' {
+                2
+            } else {
+                0
+            };
+            sizes[i] = if i + 1 < depth {
+                key + 5 + sizes[i + 1]
+            } else {
+                0
+            };
+        }
+        let mut v = Vec::new();
+        for (i, size) in sizes.iter().take(depth).enumerate() {
+            v.push(tag(i));
+            v.extend_from_slice(&(*size as u32).to_be_bytes());
+            if i + 1 < depth && tag(i) == b'F' {
+                v.extend_from_slice(&[1, b'k']);
+            }
+        }
+        v
+    }
+
+    fn entry(key: &str, value: &[u8]) -> Vec<u8> {
+        let mut e = vec![key.len() as u8];
+        e.extend_from_slice(key.as_bytes());
+        e.extend_from_slice(value);
+        e
+    }
+
+    /// A content-header frame on channel 1 with a content type and these header entries.
+    fn header_frame(entries: &[Vec<u8>]) -> Vec<u8> {
+        let table: Vec<u8> = entries.concat();
+        let mut payload = vec![0, 60, 0, 0, 0, 0, 0, 0, 0, 0, 0, 3];
+        payload.extend_from_slice(&((1u16 << 15) | HEADERS_FLAG | (1 << 12)).to_be_bytes());
+        payload.extend_from_slice(&[4, b'j', b's', b'o', b'n']);
+        payload.extend_from_slice(&(table.len() as u32).to_be_bytes());
+        payload.extend_from_slice(&table);
+        payload.push(2); // delivery mode, after the headers
+        frame(FRAME_HEADER, 1, &payload)
+    }
+
+    fn frame(kind: u8, channel: u16, payload: &[u8]) -> Vec<u8> {
+        let mut f = vec![kind];
+        f.extend_from_slice(&channel.to_be_bytes());
+        f.extend_from_slice(&(payload.len() as u32).to_be_bytes());
+        f.extend_from_slice(payload);
+        f.push(FRAME_END);
+        f
+    }
+
+    fn tune(frame_max: u32) -> Vec<u8> {
+        let mut p = CONNECTION_TUNE.to_vec();
+        p.extend_from_slice(&2047u16.to_be_bytes());
+        p.extend_from_slice(&frame_max.to_be_bytes());
+        p.extend_from_slice(&60u16.to_be_bytes());
+        frame(FRAME_METHOD, 0, &p)
+    }
+
+    /// What the parser gets for `input` fed in chunks of `chunk` bytes.
+    fn through(input: &[u8], chunk: usize) -> Vec<u8> {
+        let mut g = FrameGuard::new(0);
+        let mut out = Vec::new();
+        for c in input.chunks(chunk) {
+            g.feed(c);
+            out.extend_from_slice(g.pending());
+            let n = g.pending().len();
+            g.consume(n);
+        }
+        out
+    }
+
+    /// Parses on a thread with half the stack lapin's I/O thread has (2 MiB): what passes the
+    /// guard parses, is cloned, encoded and dropped with room to spare, in debug and release.
+    fn parse_small_stack(bytes: Vec<u8>) -> Vec<AMQPFrame> {
+        std::thread::Builder::new()
+            .stack_size(1 << 20)
+            .spawn(move || {
+                let mut rest = &bytes[..];
+                let mut frames = Vec::new();
+                while !rest.is_empty() {
+                    let (r, f) = parse_frame(rest).expect("the guard's output parses");
+                    let copy = f.clone();
+                    let mut buf = vec![0u8; 1 << 20];
+                    let cursor = std::io::Cursor::new(&mut buf[..]);
+                    amq_protocol::frame::gen_frame(&copy)(amq_protocol::frame::WriteContext::from(
+                        cursor,
+                    ))
+                    .expect("encodes");
+                    drop(copy);
+                    frames.push(f);
+                    rest = r;
+                }
+                frames
+            })
+            .unwrap()
+            .join()
+            .unwrap()
+    }
+
+    fn headers(frame: &AMQPFrame) -> FieldTable {
+        match frame {
+            AMQPFrame::Header(_, h) => h.properties.headers().clone().unwrap(),
+            other => panic!("not a header frame: {other:?}"),
+        }
+    }
+
+    #[test]
+    fn the_deepest_headers_a_frame_holds_are_cut_to_the_limit() {
+        // 26,208 arrays fill a 131072-byte frame; tables 18,720; mixed in between.
+        for (kind, mut depth) in [(b'A', 26_214), (b'F', 18_725), (b'M', 21_846)] {
+            let build = |depth| {
+                let deep = nested(kind, depth);
+                [
+                    tune(FRAME_MAX),
+                    header_frame(&[entry("h", &deep), entry("ok", b"t\x01")]),
+                ]
+                .concat()
+            };
+            let mut input = build(depth);
+            while input.len() - tune(FRAME_MAX).len() > FRAME_MAX as usize {
+                depth -= 1;
+                input = build(depth);
+            }
+            eprintln!("{} levels of {}", depth, kind as char);
+            let out = through(&input, 4096);
+            let frames = parse_small_stack(out);
+            let h = headers(&frames[1]);
+            let removed = headers_removed(Some(&h)).expect("marked").0;
+            assert!(
+                removed.contains("deeper than 32 levels") && removed.contains(": h"),
+                "{removed}"
+            );
+            assert!(matches!(h.inner().get("h"), Some(AMQPValue::LongString(_))));
+            assert_eq!(h.inner().get("ok"), Some(&AMQPValue::Boolean(true)));
+        }
+    }
+
+    #[test]
+    fn nesting_up_to_the_limit_passes_unchanged_and_parses() {
+        for kind in [b'A', b'F', b'M'] {
+            let input = header_frame(&[entry("h", &nested(kind, MAX_HEADER_DEPTH))]);
+            assert_eq!(through(&input, 7), input);
+            let h = headers(&parse_small_stack(input)[0]);
+            assert!(headers_removed(Some(&h)).is_none());
+            let over = header_frame(&[entry("h", &nested(kind, MAX_HEADER_DEPTH + 1))]);
+            let h = headers(&parse_small_stack(through(&over, 7))[0]);
+            assert!(headers_removed(Some(&h)).is_some());
+        }
+    }
+
+    #[test]
+    fn chunking_does_not_change_the_output() {
+        let body = frame(FRAME_BODY, 1, &[7u8; 5000]);
+        let input = [
+            tune(FRAME_MAX),
+            header_frame(&[entry("a", &nested(b'A', 100))]),
+            body.clone(),
+            frame(FRAME_HEARTBEAT, 0, &[]),
+            header_frame(&[entry("x-death", &nested(b'M', 3))]),
+            body,
+        ]
+        .concat();
+        let whole = through(&input, input.len());
+        for chunk in [1, 2, 3, 7, 8, 100, 4096] {
+            assert_eq!(through(&input, chunk), whole, "chunk {chunk}");
+        }
+        assert_eq!(parse_small_stack(whole).len(), 6);
+    }
+
+    #[test]
+    fn a_forged_marker_is_stripped() {
+        let mut marker = vec![b'S'];
+        marker.extend_from_slice(&4u32.to_be_bytes());
+        marker.extend_from_slice(b"lies");
+        let input = header_frame(&[entry(HEADERS_REMOVED, &marker), entry("b", b"t\x00")]);
+        let h = headers(&parse_small_stack(through(&input, 5))[0]);
+        assert!(headers_removed(Some(&h)).is_none());
+        assert_eq!(h.inner().get("b"), Some(&AMQPValue::Boolean(false)));
+    }
+
+    #[test]
+    fn a_table_larger_than_the_frame_size_is_replaced() {
+        // Wide, not deep: 40,000 booleans (only the management API or a direct client gets
+        // such a frame past the broker's limit).
+        let wide: Vec<Vec<u8>> = (0..40_000)
+            .map(|i| entry(&format!("k{i}"), b"t\x01"))
+            .collect();
+        let input = [tune(FRAME_MAX), header_frame(&wide)].concat();
+        let out = through(&input, 1000);
+        assert!(out.len() < 1000, "{}", out.len());
+        let h = headers(&parse_small_stack(out)[1]);
+        let why = headers_removed(Some(&h)).unwrap().0;
+        assert!(
+            why.contains("does not fit the frame size (131072 bytes)"),
+            "{why}"
+        );
+    }
+
+    #[test]
+    fn malformed_tables_are_replaced_and_other_streams_pass() {
+        // A table whose inner length runs past its end.
+        let mut bad = vec![b'A'];
+        bad.extend_from_slice(&1000u32.to_be_bytes());
+        let out = through(&header_frame(&[entry("h", &bad)]), 3);
+        let h = headers(&parse_small_stack(out)[0]);
+        assert!(headers_removed(Some(&h))
+            .unwrap()
+            .0
+            .contains("cannot be read"));
+        // The broker's protocol header (a version it prefers) is not frames: untouched.
+        assert_eq!(through(b"AMQP\x00\x00\x09\x01", 1), b"AMQP\x00\x00\x09\x01");
+        // No headers at all: untouched.
+        let mut payload = vec![0, 60, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0x10, 0, 2];
+        let plain = frame(FRAME_HEADER, 1, &payload);
+        assert_eq!(through(&plain, 2), plain);
+        payload.truncate(3);
+        let short = frame(FRAME_HEADER, 1, &payload);
+        assert_eq!(through(&short, 2), short);
+    }
+}
