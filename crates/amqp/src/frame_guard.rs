@@ -381,8 +381,11 @@ fn rewrite_table(body: &[u8]) -> Result<Option<Vec<u8>>, Malformed> {
         if key_end >= body.len() {
             return Err(Malformed);
         }
-        let (value_end, depth) = value_extent(body, key_end)?;
         let key = &body[pos + 1..key_end];
+        // lapin's parser refuses a key that is not UTF-8 (a connection error, not a crash):
+        // the table is replaced like any other it cannot read.
+        std::str::from_utf8(key).map_err(|_| Malformed)?;
+        let (value_end, depth) = value_extent(body, key_end)?;
         if key == HEADERS_REMOVED.as_bytes() {
             changed = true;
         } else if depth > MAX_HEADER_DEPTH {
@@ -484,10 +487,12 @@ fn value_extent(buf: &[u8], mut pos: usize) -> Result<(usize, usize), Malformed>
                         continue;
                     }
                     if is_table {
-                        pos += 1 + *buf.get(pos).ok_or(Malformed)? as usize;
-                        if pos >= end {
+                        let key_end = pos + 1 + *buf.get(pos).ok_or(Malformed)? as usize;
+                        if key_end >= end {
                             return Err(Malformed);
                         }
+                        std::str::from_utf8(&buf[pos + 1..key_end]).map_err(|_| Malformed)?;
+                        pos = key_end;
                     }
                     break;
                 }
@@ -912,6 +917,23 @@ mod tests {
             .unwrap()
             .0
             .contains("cannot be read"));
+        // Keys that are not UTF-8, at the top and nested: lapin would refuse the frame.
+        let mut inner = vec![b'F', 0, 0, 0, 3, 1, 0xFF, b'V'];
+        for (key, value) in [("ok", &inner[..]), ("\u{0}", &b"V"[..])] {
+            let mut e = entry(key, value);
+            if key != "ok" {
+                e[1] = 0xC3;
+            }
+            let out = through(&header_frame(&[e]), 3);
+            let h = headers(&parse_small_stack(out)[0]);
+            assert!(headers_removed(Some(&h))
+                .unwrap()
+                .0
+                .contains("cannot be read"));
+        }
+        inner[6] = b'k';
+        let fine = header_frame(&[entry("ok", &inner)]);
+        assert_eq!(through(&fine, 3), fine);
         // The broker's protocol header (a version it prefers) is not frames: untouched.
         assert_eq!(through(b"AMQP\x00\x00\x09\x01", 1), b"AMQP\x00\x00\x09\x01");
         // No headers at all: untouched.
@@ -921,5 +943,73 @@ mod tests {
         payload.truncate(3);
         let short = frame(FRAME_HEADER, 1, &payload);
         assert_eq!(through(&short, 2), short);
+    }
+}
+
+#[cfg(test)]
+mod cost {
+    use super::*;
+
+    /// What the guard costs per delivery: `cargo test --release -p redeliver-amqp --lib
+    /// frame_guard::cost -- --ignored --nocapture` (numbers in RELIABILITY.md).
+    #[test]
+    #[ignore = "a measurement, not a check"]
+    fn cost_per_delivery() {
+        // basic.deliver, a content header with 5 headers (x-death-like nesting), a 1 KiB body.
+        let mut deliver = vec![0, 60, 0, 60, 3, b'c', b't', b'g'];
+        deliver.extend_from_slice(&[0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 1, b'q']);
+        let mut table = Vec::new();
+        for k in ["a", "b", "c", "d"] {
+            table.extend_from_slice(&[1, k.as_bytes()[0], b'S', 0, 0, 0, 8]);
+            table.extend_from_slice(b"12345678");
+        }
+        // x-death: an array of one table holding an array.
+        table.extend_from_slice(&[1, b'x', b'A', 0, 0, 0, 21, b'F', 0, 0, 0, 16, 1, b'r']);
+        table.extend_from_slice(&[b'A', 0, 0, 0, 10, b'S', 0, 0, 0, 5]);
+        table.extend_from_slice(b"queue");
+        let mut header = vec![0, 60, 0, 0, 0, 0, 0, 0, 0, 0, 4, 0, 0x20, 0];
+        header.extend_from_slice(&(table.len() as u32).to_be_bytes());
+        header.extend_from_slice(&table);
+        let frame = |kind: u8, payload: &[u8]| {
+            let mut f = vec![kind, 0, 1];
+            f.extend_from_slice(&(payload.len() as u32).to_be_bytes());
+            f.extend_from_slice(payload);
+            f.push(FRAME_END);
+            f
+        };
+        let one = [
+            frame(FRAME_METHOD, &deliver),
+            frame(FRAME_HEADER, &header),
+            frame(FRAME_BODY, &[7; 1024]),
+        ]
+        .concat();
+        let n = 200_000;
+        let stream = one.repeat(n);
+        let mut g = FrameGuard::new(0);
+        let mut sink = vec![0u8; 64 * 1024];
+        let started = Instant::now();
+        for chunk in stream.chunks(SCRATCH) {
+            g.feed(chunk);
+            while !g.pending().is_empty() {
+                let m = g.pending().len().min(sink.len());
+                sink[..m].copy_from_slice(&g.pending()[..m]);
+                g.consume(m);
+            }
+        }
+        let guarded = started.elapsed();
+        let started = Instant::now();
+        for chunk in stream.chunks(SCRATCH) {
+            for c in chunk.chunks(sink.len()) {
+                sink[..c.len()].copy_from_slice(c);
+            }
+        }
+        let plain = started.elapsed();
+        eprintln!(
+            "{n} deliveries of {} bytes: guard {:.0} ns each, a plain copy {:.0} ns each",
+            one.len(),
+            guarded.as_nanos() as f64 / n as f64,
+            plain.as_nanos() as f64 / n as f64
+        );
+        std::hint::black_box(&sink);
     }
 }
