@@ -28,6 +28,9 @@
 #   RD_CLUSTER_MANAGEMENT 1 to enable the management plugin    default 1
 #   RD_CLUSTER_CHROOT     run the nodes with the RabbitMQ of this chroot (scripts/rabbitmq4.sh
 #                         makes them: /var/lib/redeliver-brokers/rabbit4 is 4.3.6)  default: the system's
+#   RD_CLUSTER_TLS_DIR    a directory with ca.pem, server.pem and server.key: node I also listens
+#                         for amqps on its AMQP port + 1000 and accepts SASL EXTERNAL (client
+#                         certificate CN = user name)                               default: no TLS
 #
 # Node I is named $RD_CLUSTER_NAME-I@localhost; `rabbitmqctl -n rdcluster-1@localhost ...` talks
 # to it. Run as root (the nodes then run as the rabbitmq user, sharing its Erlang cookie with
@@ -47,6 +50,14 @@ if [ -n "${RD_CLUSTER_CHROOT:-}" ] && [ -z "${RD_CLUSTER_IN_CHROOT:-}" ]; then
   mountpoint -q "$root/sys" || mount --bind /sys "$root/sys"
   mkdir -p "$root/opt/redeliver"
   cp "$0" "$root/opt/redeliver/cluster.sh"
+  # The chroot does not see the host's files: the nodes get a copy of the TLS material.
+  if [ -n "${RD_CLUSTER_TLS_DIR:-}" ]; then
+    tls_copy="/opt/redeliver/tls-${RD_CLUSTER_NAME:-rdcluster}"
+    mkdir -p "$root$tls_copy"
+    cp "$RD_CLUSTER_TLS_DIR/ca.pem" "$RD_CLUSTER_TLS_DIR/server.pem" \
+      "$RD_CLUSTER_TLS_DIR/server.key" "$root$tls_copy/"
+    export RD_CLUSTER_TLS_DIR=$tls_copy
+  fi
   exec chroot "$root" env RD_CLUSTER_IN_CHROOT=1 PATH=/usr/sbin:/usr/bin:/sbin:/bin \
     bash /opt/redeliver/cluster.sh "$@"
 fi
@@ -56,6 +67,7 @@ NODES=${RD_CLUSTER_NODES:-3}
 BASE_PORT=${RD_CLUSTER_BASE_PORT:-5681}
 DIR=${RD_CLUSTER_DIR:-/tmp/redeliver-$NAME}
 MANAGEMENT=${RD_CLUSTER_MANAGEMENT:-1}
+TLS_DIR=${RD_CLUSTER_TLS_DIR:-}
 HOST=localhost
 RMQ_BIN=${RD_RABBITMQ_BIN:-/usr/lib/rabbitmq/bin}
 if [ ! -x "$RMQ_BIN/rabbitmq-server" ]; then
@@ -67,6 +79,7 @@ node_name() { echo "$NAME-$1@$HOST"; }
 amqp_port() { echo $((BASE_PORT + $1 - 1)); }
 mgmt_port() { echo $((BASE_PORT + 10000 + $1 - 1)); }
 dist_port() { echo $((BASE_PORT + 20000 + $1 - 1)); }
+tls_port() { echo $((BASE_PORT + 1000 + $1 - 1)); }
 node_dir() { echo "$DIR/node-$1"; }
 
 # Runs a RabbitMQ tool as the user whose Erlang cookie the nodes share. As root that is the
@@ -107,6 +120,26 @@ vm_memory_high_watermark.relative = 0.1
 # A stopped peer must be noticed within seconds, not the default minute, for the failover test.
 net_ticktime = 10
 EOF
+  local plugins=()
+  if [ "$MANAGEMENT" = 1 ]; then plugins+=(rabbitmq_management); fi
+  if [ -n "$TLS_DIR" ]; then
+    # The node reads its own copy (as the rabbitmq user), not the caller's directory.
+    mkdir -p "$d/tls"
+    cp "$TLS_DIR/ca.pem" "$TLS_DIR/server.pem" "$TLS_DIR/server.key" "$d/tls/"
+    cat >>"$d/rabbitmq.conf" <<EOF
+listeners.ssl.default = 127.0.0.1:$(tls_port "$i")
+ssl_options.cacertfile = $d/tls/ca.pem
+ssl_options.certfile = $d/tls/server.pem
+ssl_options.keyfile = $d/tls/server.key
+ssl_options.verify = verify_peer
+ssl_options.fail_if_no_peer_cert = false
+auth_mechanisms.1 = PLAIN
+auth_mechanisms.2 = AMQPLAIN
+auth_mechanisms.3 = EXTERNAL
+ssl_cert_login_from = common_name
+EOF
+    plugins+=(rabbitmq_auth_mechanism_ssl)
+  fi
   # Replaces /etc/rabbitmq/rabbitmq-env.conf (which names the default node) for this node.
   cat >"$d/rabbitmq-env.conf" <<EOF
 NODENAME=$(node_name "$i")
@@ -119,11 +152,10 @@ ENABLED_PLUGINS_FILE=$d/enabled_plugins
 ERL_EPMD_ADDRESS=127.0.0.1
 export ERL_FLAGS="-kernel inet_dist_use_interface {127,0,0,1}"
 EOF
-  if [ "$MANAGEMENT" = 1 ]; then
-    echo '[rabbitmq_management].' >"$d/enabled_plugins"
-  else
-    echo '[].' >"$d/enabled_plugins"
-  fi
+  (
+    IFS=,
+    echo "[${plugins[*]}]." >"$d/enabled_plugins"
+  )
   if [ "$(id -u)" = 0 ] && id rabbitmq >/dev/null 2>&1; then
     chown -R rabbitmq: "$DIR"
   fi

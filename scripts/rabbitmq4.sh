@@ -17,19 +17,17 @@
 # The chroots live in $REDELIVER_BROKERS_DIR (default /var/lib/redeliver-brokers), outside any
 # checkout, so a fresh clone (CI) finds them ready. Both nodes share the host's epmd.
 #
-# If TLS material exists in $REDELIVER_TLS_DIR (scripts/tls.sh makes it), each node also listens
-# for amqps on its AMQP port + 1000 (6673, 6674).
+# No TLS listener: the TLS tests start a node of their own, of the same version when
+# RD_CLUSTER_CHROOT names one of these chroots (crates/testkit/src/fixtures.rs).
 set -euo pipefail
 
 ROOT=${REDELIVER_BROKERS_DIR:-/var/lib/redeliver-brokers}
-TLS_DIR=${REDELIVER_TLS_DIR:-/var/lib/redeliver-tls}
 NODES="rabbit4 rabbit40"
 
 suite_of() { case $1 in rabbit4) echo sid ;; rabbit40) echo trixie ;; esac; }
 port_of() { case $1 in rabbit4) echo 5673 ;; rabbit40) echo 5674 ;; esac; }
 mgmt_of() { echo $(($(port_of "$1") + 10000)); }
 dist_of() { echo $(($(port_of "$1") + 20000)); }
-tls_port_of() { echo $(($(port_of "$1") + 1000)); }
 
 log() { echo "rabbitmq4: $*" >&2; }
 
@@ -120,29 +118,10 @@ write_config() {
     echo "listeners.tcp.default = 127.0.0.1:$port"
     echo "management.tcp.port = $mgmt"
     echo "management.tcp.ip = 127.0.0.1"
-    if [ -f "$TLS_DIR/ca.pem" ]; then
-      mkdir -p "$dir/etc/rabbitmq/tls"
-      cp "$TLS_DIR/ca.pem" "$TLS_DIR/server.pem" "$TLS_DIR/server.key" "$dir/etc/rabbitmq/tls/"
-      chmod 644 "$dir/etc/rabbitmq/tls/"*
-      echo "listeners.ssl.default = 127.0.0.1:$(tls_port_of "$name")"
-      echo "ssl_options.cacertfile = /etc/rabbitmq/tls/ca.pem"
-      echo "ssl_options.certfile = /etc/rabbitmq/tls/server.pem"
-      echo "ssl_options.keyfile = /etc/rabbitmq/tls/server.key"
-      echo "ssl_options.verify = verify_peer"
-      echo "ssl_options.fail_if_no_peer_cert = false"
-      echo "auth_mechanisms.1 = PLAIN"
-      echo "auth_mechanisms.2 = AMQPLAIN"
-      echo "auth_mechanisms.3 = EXTERNAL"
-      echo "ssl_cert_login_from = common_name"
-    fi
   } >"$dir/etc/rabbitmq/rabbitmq.conf.new"
   mv "$dir/etc/rabbitmq/rabbitmq.conf.new" "$dir/etc/rabbitmq/rabbitmq.conf"
   # Enabling plugins offline: the file the node reads at boot.
-  if [ -f "$TLS_DIR/ca.pem" ]; then
-    echo '[rabbitmq_management,rabbitmq_auth_mechanism_ssl].' >"$dir/etc/rabbitmq/enabled_plugins"
-  else
-    echo '[rabbitmq_management].' >"$dir/etc/rabbitmq/enabled_plugins"
-  fi
+  echo '[rabbitmq_management].' >"$dir/etc/rabbitmq/enabled_plugins"
 }
 
 in_chroot() { # in_chroot NAME cmd...: run a RabbitMQ tool inside the chroot with the node's env
@@ -166,9 +145,9 @@ start_one() {
   dir="$ROOT/$name"
   provision_one "$name"
   if answers "$name"; then
-    # Started before scripts/tls.sh made certificates: restart to open the amqps listener.
-    if [ -f "$TLS_DIR/ca.pem" ] && ! (exec 3<>"/dev/tcp/127.0.0.1/$(tls_port_of "$name")") 2>/dev/null; then
-      log "$name: restarting to open its TLS listener ($(tls_port_of "$name"))"
+    # Configured with an amqps listener by an older version of this script: restart without.
+    if grep -q '^listeners.ssl' "$dir/etc/rabbitmq/rabbitmq.conf" 2>/dev/null; then
+      log "$name: restarting without its old TLS listener"
       stop_one "$name"
     else
       return 0
@@ -189,8 +168,7 @@ start_one() {
 wait_one() {
   local name=$1
   for _ in $(seq 1 180); do
-    if answers "$name" && { [ ! -f "$TLS_DIR/ca.pem" ] ||
-      (exec 3<>"/dev/tcp/127.0.0.1/$(tls_port_of "$name")") 2>/dev/null; }; then
+    if answers "$name"; then
       log "$name: up (AMQP $(port_of "$name"), management $(mgmt_of "$name"))"
       return 0
     fi

@@ -34,7 +34,7 @@ fn demo_args(extra: &[&str]) -> Args {
 async fn demo_runs_to_completion_and_adds_up() {
     let args = demo_args(&["--count", "40", "--poison", "4", "--seed", "7"]);
     let cfg = config(&amqp_url());
-    let summary = match run::run_demo(&args, &cfg).await {
+    let summary = match run::run_demo_with(&args, &cfg, &|_, _| {}).await {
         Ok(s) => s,
         Err(e) => panic!("the demo failed: {e:#}\n{}", START_BROKER),
     };
@@ -132,13 +132,14 @@ async fn without_a_broker_the_demo_says_how_to_start_one() {
         l.local_addr().expect("addr").port()
     };
     let cfg = config(&format!("amqp://guest:secret@127.0.0.1:{port}/%2f"));
-    let err = run::run_demo(&demo_args(&[]), &cfg)
+    let err = run::run_demo_with(&demo_args(&[]), &cfg, &|_, _| {})
         .await
         .expect_err("no broker on that port");
     let text = format!("{err:#}");
     assert!(text.contains("rabbitmq-server -detached"), "{text}");
+    assert!(text.contains("apt-get install rabbitmq-server"), "{text}");
     assert!(
-        text.contains("docker compose -f compose/docker-compose.yml up rabbitmq"),
+        text.contains("docker compose -f compose/docker-compose.yml up -d rabbitmq"),
         "{text}"
     );
     assert!(
@@ -147,6 +148,9 @@ async fn without_a_broker_the_demo_says_how_to_start_one() {
     );
 }
 
+/// What a newcomer sees with `cargo run --example demo`: the summary on stdout and nothing else
+/// (no log lines: quiet unless RUST_LOG is set, and the progress bar is drawn only on a
+/// terminal); without a broker, exit 1 within seconds, saying what to run.
 #[test]
 fn the_example_binary_exits_0_on_a_demo_and_1_without_a_broker() {
     // Built first when `cargo test` did not (a narrow `--test demo`): never a pass without it.
@@ -157,7 +161,7 @@ fn the_example_binary_exits_0_on_a_demo_and_1_without_a_broker() {
     let out = Command::new(&bin)
         .args(["--count", "20", "--poison", "2"])
         .env("AMQP_URL", amqp_url())
-        .env("RUST_LOG", "warn")
+        .env_remove("RUST_LOG")
         .output()
         .expect("run the example");
     let stdout = String::from_utf8_lossy(&out.stdout);
@@ -170,11 +174,17 @@ fn the_example_binary_exits_0_on_a_demo_and_1_without_a_broker() {
     );
     assert!(stdout.contains("adds up"), "{stdout}");
     assert!(stdout.contains("published"), "{stdout}");
+    assert!(
+        stdout.lines().count() < 25,
+        "the summary, not a log:\n{stdout}"
+    );
+    assert_eq!(stderr, "", "nothing but the summary by default");
 
     let port = {
         let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
         l.local_addr().expect("addr").port()
     };
+    let started = std::time::Instant::now();
     let out = Command::new(&bin)
         .env(
             "AMQP_URL",
@@ -183,6 +193,12 @@ fn the_example_binary_exits_0_on_a_demo_and_1_without_a_broker() {
         .output()
         .expect("run the example");
     assert_eq!(out.status.code(), Some(1));
+    assert!(
+        started.elapsed() < Duration::from_secs(10),
+        "a missing broker is reported within seconds, took {:?}",
+        started.elapsed()
+    );
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(stderr.contains("rabbitmq-server -detached"), "{stderr}");
+    assert!(stderr.contains("apt-get install rabbitmq-server"), "{stderr}");
 }

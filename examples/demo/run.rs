@@ -231,11 +231,15 @@ pub fn no_broker_message(url: &str, error: &dyn std::fmt::Display) -> String {
     format!(
         "cannot reach RabbitMQ at {url}: {error}\n\
          Start a local broker with one of:\n  \
-         rabbitmq-server -detached\n  \
-         docker compose -f compose/docker-compose.yml up rabbitmq\n\
+         sudo apt-get install rabbitmq-server     (Debian/Ubuntu; it starts at once)\n  \
+         sudo rabbitmq-server -detached           (installed but stopped)\n  \
+         docker compose -f compose/docker-compose.yml up -d rabbitmq\n\
          or set AMQP_URL to a reachable broker (amqp://user:pass@host:5672/%2f)."
     )
 }
+
+/// Told how far the run is while it waits: (messages settled for good, messages published).
+pub type Progress<'a> = &'a (dyn Fn(u32, u32) + Send + Sync);
 
 /// Connects, or fails with instructions to start a broker.
 pub async fn connect(cfg: &Settings) -> anyhow::Result<Connection> {
@@ -264,9 +268,13 @@ fn levels_for(cap: Duration, g: Duration) -> u8 {
 }
 
 /// Runs the demo: declares a throwaway topology (random prefix, delay levels included),
-/// consumes, publishes, waits for every message to be settled for good, reads the DLQ, deletes
-/// everything (unless `--keep`) and returns the summary.
-pub async fn run_demo(args: &Args, cfg: &Settings) -> anyhow::Result<Summary> {
+/// consumes, publishes, waits for every message to be settled for good (telling `progress` how
+/// far it is), reads the DLQ, deletes everything (unless `--keep`) and returns the summary.
+pub async fn run_demo_with(
+    args: &Args,
+    cfg: &Settings,
+    progress: Progress<'_>,
+) -> anyhow::Result<Summary> {
     if !(0.0..=1.0).contains(&args.fail_rate) {
         bail!(
             "--fail-rate must be between 0 and 1, got {}",
@@ -286,7 +294,7 @@ pub async fn run_demo(args: &Args, cfg: &Settings) -> anyhow::Result<Summary> {
         .prefix(prefix.clone())
         .delay(delay.clone());
 
-    let result = demo_body(args, cfg, &conn, &topology).await;
+    let result = demo_body(args, cfg, &conn, &topology, progress).await;
 
     if args.keep {
         eprintln!("kept the demo objects (prefix {prefix})");
@@ -311,6 +319,7 @@ async fn demo_body(
     cfg: &Settings,
     conn: &Connection,
     topology: &Topology,
+    progress: Progress<'_>,
 ) -> anyhow::Result<Summary> {
     let observed = Arc::new(Mutex::new(Observed::default()));
     let token = CancellationToken::new();
@@ -385,6 +394,7 @@ async fn demo_body(
     let finished = loop {
         let processed = processed_count(&observed);
         let in_dlq = message_count(conn, &dlq).await?;
+        progress((processed + in_dlq).min(total), total);
         if processed + in_dlq >= total {
             break Ok(());
         }

@@ -426,59 +426,6 @@ async fn a_hundred_listings_keep_every_operator_message() {
     println!("RabbitMQ {version}: 100 listings of {dlq} and {parking}: 3 + 3 messages kept");
 }
 
-/// `dlq list` over amqps:// with the test CA; with an unrelated CA the command fails, says why,
-/// and prints no password. The URL and the CA also come from files / the environment
-/// (`--url-file`, `REDELIVER_TLS_CA_FILE`), as a Kubernetes pod gives them.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn dlq_list_over_amqps() {
-    let conn = connect().await;
-    let p = prefix();
-    let _cleanup = Cleanup::new(&p, &["tlsjobs"]);
-    declare("tlsjobs", &p, &["--classic"]);
-    let q = format!("{p}tlsjobs");
-    let ids = ["tls-0", "tls-1"];
-    for (i, id) in ids.iter().enumerate() {
-        publish(&conn, &q, id, &body(i), user_headers()).await;
-    }
-    reject_all(&conn, &q, ids.len()).await;
-    wait_count(&conn, &format!("{q}.dlq"), 2, Duration::from_secs(10)).await;
-
-    let amqps = redeliver_testkit::amqps_url();
-    let ca = redeliver_testkit::tls_file("ca.pem");
-    let ca = ca.to_str().unwrap();
-    let args = ["dlq", "list", "tlsjobs", "--prefix", &p, "--json"];
-    let mut with_ca = args.to_vec();
-    with_ca.extend(["--url", &amqps, "--tls-ca-file", ca]);
-    let listed: Value = serde_json::from_str(&cli_env(&with_ca, &[]).ok().stdout).unwrap();
-    assert_eq!(message_ids(&listed), ids);
-
-    let dir = std::env::temp_dir().join(format!("rd-cli-{p}"));
-    std::fs::create_dir_all(&dir).unwrap();
-    let url_file = dir.join("amqp-url");
-    std::fs::write(&url_file, format!("{amqps}\n")).unwrap();
-    let mut from_files = args.to_vec();
-    from_files.extend(["--url-file", url_file.to_str().unwrap()]);
-    let out = cli_env(&from_files, &[("REDELIVER_TLS_CA_FILE", ca)]).ok();
-    assert_eq!(
-        message_ids(&serde_json::from_str(&out.stdout).unwrap()),
-        ids
-    );
-
-    let other = redeliver_testkit::tls_file("other-ca.pem");
-    let mut wrong = args.to_vec();
-    wrong.extend(["--url", &amqps, "--tls-ca-file", other.to_str().unwrap()]);
-    let out = cli_env(&wrong, &[]);
-    assert_eq!(out.code, 1, "{out:?}");
-    assert!(out.stderr.contains("TLS handshake"), "{}", out.stderr);
-    assert!(out.stderr.contains("UnknownIssuer"), "{}", out.stderr);
-    assert!(
-        !out.stderr.contains(":guest@"),
-        "no password: {}",
-        out.stderr
-    );
-    let _ = std::fs::remove_dir_all(&dir);
-}
-
 /// A dead letter without a message_id is replayed without one (not with a new random id):
 /// duplicates of a message must share its identity, absent or not.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -2,7 +2,9 @@
 //! (management API, queue counts).
 //!
 //! Every broker test connects to a real RabbitMQ (never skipping when it is down: [`connect`]
-//! fails the test with instructions), names its objects with a [`unique_prefix`], removes them
+//! fails the test with instructions). What the tests need of the machine (the broker started,
+//! its management API enabled, a TLS node with test certificates) the first test that needs it
+//! brings up ([`fixtures`]), so `cargo test` needs nothing run before it. Each test names its objects with a [`unique_prefix`], removes them
 //! through the management API ([`mgmt`], [`Cleanup`]) and waits for the broker with the polling
 //! helpers here, which all take an explicit timeout. The example programs under test come
 //! from [`examples`] and run under [`process`]; [`http`] reads health and metrics endpoints;
@@ -22,6 +24,7 @@ use lapin::types::{AMQPValue, FieldTable};
 use lapin::{BasicProperties, Channel, Connection, ConnectionProperties};
 
 pub mod examples;
+pub mod fixtures;
 pub mod http;
 pub mod mgmt;
 pub mod process;
@@ -30,17 +33,20 @@ pub mod reliability;
 /// The broker the tests use when `AMQP_URL` is not set.
 pub const DEFAULT_AMQP_URL: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
 
-/// How to get a broker the tests can use; part of every "broker unreachable" failure.
-pub const START_BROKER: &str =
-    "These tests need a real RabbitMQ broker with the management plugin: \
-     `scripts/ensure-rabbitmq.sh` starts the system's (127.0.0.1:5672, management 15672), \
-     `scripts/rabbitmq4.sh up` starts RabbitMQ 4.3.6 (5673/15673) and 4.0.5 (5674/15674); or \
-     `docker compose -f compose/docker-compose.yml up rabbitmq`. Point AMQP_URL and \
-     RABBITMQ_MGMT_URL at the one to test.";
+pub use fixtures::START_BROKER;
 
-/// The test broker's URL: `AMQP_URL`, or [`DEFAULT_AMQP_URL`].
+/// The test broker's URL: `AMQP_URL`, or [`DEFAULT_AMQP_URL`]. The first call in a process
+/// makes sure that broker answers ([`fixtures::broker`]).
+///
+/// # Panics
+///
+/// When it does not and cannot be started here, saying what to run ([`START_BROKER`]).
 pub fn amqp_url() -> String {
-    std::env::var("AMQP_URL").unwrap_or_else(|_| DEFAULT_AMQP_URL.to_owned())
+    let url = std::env::var("AMQP_URL").unwrap_or_else(|_| DEFAULT_AMQP_URL.to_owned());
+    if let Err(e) = fixtures::broker(&url) {
+        panic!("{e}");
+    }
+    url
 }
 
 /// Connects to the test broker at [`amqp_url`].
@@ -94,36 +100,36 @@ fn redact(url: &str) -> String {
     }
 }
 
-/// How to get the TLS listeners the TLS tests use; part of their failures.
-pub const START_TLS: &str = "The TLS tests need the brokers' amqps listeners and the test \
-     certificates: run `bash scripts/tls.sh`, then `bash scripts/ensure-rabbitmq.sh` (amqps on \
-     localhost:5671) and `bash scripts/rabbitmq4.sh up` (6673, 6674), or set AMQPS_URL and \
-     REDELIVER_TLS_DIR.";
-
-/// The test broker's amqps URL: `AMQPS_URL`, or `amqps://guest:guest@localhost:5671/%2f` (the
-/// certificate names `localhost` only).
-pub fn amqps_url() -> String {
-    std::env::var("AMQPS_URL")
-        .unwrap_or_else(|_| "amqps://guest:guest@localhost:5671/%2f".to_owned())
-}
-
-/// A file of the test TLS material (`scripts/tls.sh`: `ca.pem`, `client.pem`, `client.key`,
-/// `other-ca.pem`, `other-client.pem`, `other-client.key`), in `REDELIVER_TLS_DIR` or
-/// `/var/lib/redeliver-tls`.
+/// The amqps URL of the TLS tests ([`fixtures::tls`]: a node the tests start themselves, or
+/// `AMQPS_URL`). The server certificate names `localhost` only.
 ///
 /// # Panics
 ///
-/// When the file does not exist, with instructions ([`START_TLS`]).
+/// When the TLS node cannot be had, saying why.
+pub fn amqps_url() -> String {
+    tls_broker().url
+}
+
+/// A file of the test TLS material ([`fixtures::Tls::dir`]: `ca.pem`, `client.pem`,
+/// `client.key`, `other-ca.pem`, `other-client.pem`, `other-client.key`).
+///
+/// # Panics
+///
+/// When the TLS fixture cannot be had, or the file does not exist.
 pub fn tls_file(name: &str) -> std::path::PathBuf {
-    let dir =
-        std::env::var("REDELIVER_TLS_DIR").unwrap_or_else(|_| "/var/lib/redeliver-tls".into());
-    let path = std::path::Path::new(&dir).join(name);
-    assert!(
-        path.is_file(),
-        "{} is missing.\n{START_TLS}",
-        path.display()
-    );
+    let path = tls_broker().dir.join(name);
+    assert!(path.is_file(), "{} is missing", path.display());
     path
+}
+
+/// The broker of the TLS tests ([`fixtures::tls`]): amqps and plain URLs, management API,
+/// certificates.
+///
+/// # Panics
+///
+/// When it cannot be had, saying why.
+pub fn tls_broker() -> fixtures::Tls {
+    fixtures::tls().unwrap_or_else(|e| panic!("{e}"))
 }
 
 /// `hex_len` random hex digits (at most 32), different on every call.

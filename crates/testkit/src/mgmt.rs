@@ -9,8 +9,20 @@ use std::time::{Duration, Instant};
 use crate::START_BROKER;
 
 /// The test broker's management API base URL: `RABBITMQ_MGMT_URL`, or `http://127.0.0.1:15672`.
+/// The first call in a process makes sure it answers
+/// ([`fixtures::management`](crate::fixtures::management)).
+///
+/// # Panics
+///
+/// When it does not and cannot be enabled here, saying what to run.
 pub fn url() -> String {
-    std::env::var("RABBITMQ_MGMT_URL").unwrap_or_else(|_| "http://127.0.0.1:15672".into())
+    let url =
+        std::env::var("RABBITMQ_MGMT_URL").unwrap_or_else(|_| "http://127.0.0.1:15672".into());
+    let client = Client::new(&url);
+    if let Err(e) = crate::fixtures::management(&client.base, &client.auth) {
+        panic!("{e}");
+    }
+    url
 }
 
 /// The management API of one broker: its base URL and the `Authorization` header value.
@@ -43,6 +55,10 @@ impl Client {
     }
 
     /// The test broker's API: [`url`], credentials as in [`Client::new`].
+    ///
+    /// # Panics
+    ///
+    /// As [`url`] does.
     pub fn from_env() -> Self {
         Self::new(&url())
     }
@@ -50,6 +66,11 @@ impl Client {
     /// The base URL, without credentials.
     pub fn base(&self) -> &str {
         &self.base
+    }
+
+    /// The `Authorization` header value it sends.
+    pub fn authorization(&self) -> &str {
+        &self.auth
     }
 
     /// `GET {base}{path}` as JSON; the error says how to get the API running.

@@ -1,6 +1,6 @@
-//! amqps:// against the broker's real TLS listener (`scripts/tls.sh` makes a throwaway CA and
-//! certificates and opens the listeners): the worker over TLS, certificates that must be refused,
-//! and mutual TLS with SASL EXTERNAL.
+//! amqps:// against a real TLS listener (the testkit's TLS broker: a RabbitMQ node it starts
+//! with throwaway certificates, unless `AMQPS_URL` names one): the worker over TLS, certificates
+//! that must be refused, and mutual TLS with SASL EXTERNAL.
 
 mod common;
 #[path = "common/consuming.rs"]
@@ -11,7 +11,8 @@ use std::time::Duration;
 use common::*;
 use consuming::run_consuming;
 use redeliver_amqp::ConnectError;
-use redeliver_testkit::{amqps_url, tls_file};
+use redeliver_testkit::mgmt::Client;
+use redeliver_testkit::{amqps_url, tls_broker, tls_file};
 use redeliver_testkit::{drain_queue, eventually, ready_count, record, Calls, Got};
 use redeliver_worker::lapin::ConnectionProperties;
 use redeliver_worker::{
@@ -41,13 +42,26 @@ fn by_ip(url: &str) -> String {
     url.replacen("localhost", "127.0.0.1", 1)
 }
 
-/// The management API's record of the connection named `name` (listed a few seconds after it
+/// Deletes the test's objects from the TLS broker when dropped (it may not be the default one).
+struct TlsCleanup(String);
+
+impl Drop for TlsCleanup {
+    fn drop(&mut self) {
+        if let Err(e) = Client::new(&tls_broker().mgmt_url).delete_prefix(&self.0) {
+            eprintln!("cleanup of {}: {e}", self.0);
+        }
+    }
+}
+
+/// The TLS broker's record of the connection named `name` (listed a few seconds after it
 /// opens: the API shows what the broker last emitted).
 async fn listed_connection(name: &str) -> serde_json::Value {
+    let api = Client::new(&tls_broker().mgmt_url);
     for _ in 0..100 {
         let wanted = name.to_owned();
+        let api = api.clone();
         let found = redeliver_testkit::mgmt::blocking(move || {
-            redeliver_testkit::mgmt::get_json("/api/connections")
+            api.get_json("/api/connections")
                 .expect("connections")
                 .as_array()
                 .into_iter()
@@ -69,7 +83,12 @@ async fn listed_connection(name: &str) -> serde_json::Value {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn worker_consumes_retries_and_dead_letters_over_tls() {
     init_tracing();
-    let (names, conn, topo, queue) = fixture("tls", QueueType::Quorum, 6, QueueType::Classic).await;
+    let broker = tls_broker();
+    let names = Names::new("tls");
+    let _cleanup = TlsCleanup(names.prefix.clone());
+    let conn = redeliver_testkit::reliability::connect(&broker.amqp_url).await;
+    let topo = names.topology("q", QueueType::Quorum, names.delay(6, QueueType::Classic));
+    let queue = topo.queue_name();
     let calls: Calls = Default::default();
     let c = calls.clone();
     let name = format!("{}worker", names.prefix);

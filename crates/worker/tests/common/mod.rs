@@ -105,6 +105,7 @@ pub fn init_tracing() {
 /// The objects most tests start from: unique names (their objects are deleted when they drop, so
 /// keep the binding), a connection, and queue `q`'s topology with its own delay levels, and its
 /// full name.
+#[allow(dead_code)] // tls.rs declares on its own broker
 pub async fn fixture(
     test: &str,
     queue_type: QueueType,
