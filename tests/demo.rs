@@ -200,5 +200,8 @@ fn the_example_binary_exits_0_on_a_demo_and_1_without_a_broker() {
     );
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(stderr.contains("rabbitmq-server -detached"), "{stderr}");
-    assert!(stderr.contains("apt-get install rabbitmq-server"), "{stderr}");
+    assert!(
+        stderr.contains("apt-get install rabbitmq-server"),
+        "{stderr}"
+    );
 }

@@ -64,8 +64,8 @@ pub use lapin;
 
 pub use declare::{QueueType, OPERATOR_DELIVERY_LIMIT};
 pub use delay::{DelayConfig, DelayRoute, OverMax};
-pub use frame_guard::{headers_removed, HeadersRemoved, HEADERS_REMOVED, MAX_HEADER_DEPTH};
 pub use error::{is_not_found, DelayConfigError, DelayError, TopologyError};
+pub use frame_guard::{headers_removed, HeadersRemoved, HEADERS_REMOVED, MAX_HEADER_DEPTH};
 pub use names::{validate_queue_name, validate_routed_queue_name, NameError, MAX_NAME_BYTES};
 pub use publisher::{OutgoingMessage, PublishError, Publisher, DEFAULT_PUBLISH_CHANNELS};
 pub use server::{BrokerVersion, ProbeError, ServerInfo, StartFrameError, PROBE_TIMEOUT};

@@ -134,9 +134,7 @@ fn host_port(url: &str) -> Option<(String, u16)> {
         _ => 5672,
     };
     let (host, port) = match host_port.rsplit_once(':') {
-        Some((h, p)) if !h.ends_with(']') || host_port.starts_with('[') => {
-            (h, p.parse().ok()?)
-        }
+        Some((h, p)) if !h.ends_with(']') || host_port.starts_with('[') => (h, p.parse().ok()?),
         _ => (host_port, default),
     };
     let host = host.trim_start_matches('[').trim_end_matches(']');
@@ -182,10 +180,15 @@ fn wait_until(what: &str, mut probe: impl FnMut() -> Result<(), String>) -> Resu
 
 /// A RabbitMQ tool of the machine's own installation, when there is one.
 fn system_tool(name: &str) -> Option<PathBuf> {
-    ["/usr/sbin", "/usr/lib/rabbitmq/bin", "/usr/local/sbin", "/usr/bin"]
-        .iter()
-        .map(|dir| Path::new(dir).join(name))
-        .find(|p| p.is_file())
+    [
+        "/usr/sbin",
+        "/usr/lib/rabbitmq/bin",
+        "/usr/local/sbin",
+        "/usr/bin",
+    ]
+    .iter()
+    .map(|dir| Path::new(dir).join(name))
+    .find(|p| p.is_file())
 }
 
 /// Runs `cmd`, returning its output or an error with both streams.
@@ -439,8 +442,12 @@ mod certificates {
             vec!["localhost".into()],
             ExtendedKeyUsagePurpose::ServerAuth,
         )?;
-        let (client, client_key) =
-            leaf(&test_ca, "guest", Vec::new(), ExtendedKeyUsagePurpose::ClientAuth)?;
+        let (client, client_key) = leaf(
+            &test_ca,
+            "guest",
+            Vec::new(),
+            ExtendedKeyUsagePurpose::ClientAuth,
+        )?;
         let (other_ca_pem, other_ca) = ca("some other CA")?;
         let (other_client, other_client_key) = leaf(
             &other_ca,
@@ -488,7 +495,11 @@ mod tests {
         let start = Instant::now();
         // Port 1 on loopback: nothing listens, and it is not the machine's node to start.
         let err = ensure_broker("amqp://guest:guest@127.0.0.1:1/%2f").unwrap_err();
-        assert!(start.elapsed() < Duration::from_secs(5), "{:?}", start.elapsed());
+        assert!(
+            start.elapsed() < Duration::from_secs(5),
+            "{:?}",
+            start.elapsed()
+        );
         assert!(err.contains("no RabbitMQ answers at 127.0.0.1:1"), "{err}");
         assert!(err.contains("apt-get install rabbitmq-server"), "{err}");
         assert!(err.contains("docker compose"), "{err}");
