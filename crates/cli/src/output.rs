@@ -383,7 +383,7 @@ fn scalar_text(v: &Value) -> String {
 }
 
 /// Indented key: value lines; arrays of tables (x-death) as "- " items. `v` comes from
-/// [`value_json`], whose depth is bounded, and so is this recursion.
+/// [`value_json_at`], whose depth is bounded, and so is this recursion.
 fn yaml_like(v: &Value, depth: usize, out: &mut String) {
     let pad = "  ".repeat(depth);
     match v {
