@@ -10,9 +10,10 @@
 //! - `mode` forces a behaviour: `ok`, `fail` (transient error every time), `permanent`, `panic`,
 //!   `hang`, `abort` (the process dies on the spot, as a worker crashing on a poison message);
 //!   without it the seeded rates `--fail-rate`, `--panic-rate`, `--hang-rate` decide;
-//! - on success the message id is appended to the `--record` file *before* the handler returns,
-//!   so the ack can only follow a recorded success. A kill between the two makes the handler run
-//!   twice for one message (recorded twice), never gives a success nobody recorded;
+//! - on success the line `<message id> <--label>` is appended to the `--record` file *before*
+//!   the handler returns, so the ack can only follow a recorded success, and the harness can say
+//!   per id which processes handled it. A kill between the two makes the handler run twice for
+//!   one message (recorded twice), never gives a success nobody recorded;
 //! - with `--acked`, every ack frame the worker writes to the broker's socket for successful
 //!   deliveries appends the number of successes it settled (one line per frame, after lapin
 //!   reports the frame written). This is the worker's own `redeliver_messages_succeeded_total`
@@ -21,11 +22,13 @@
 //!   its ack was sent) from a handler that ran twice because the kill fell before the ack.
 //!
 //! ```text
-//! cargo run --example reliability_worker -- --queue work --prefix t1. --record /tmp/ok.txt \
-//!     --fail-rate 0.2 --seed 7
+//! AMQP_URL=amqp://guest:guest@127.0.0.1:5672/%2f cargo run --example reliability_worker -- \
+//!     --queue work --prefix t1. --record /tmp/ok.txt --fail-rate 0.2 --seed 7
 //! ```
 //!
-//! Several `--url`s (or a comma-separated list) are the worker's own failover list
+//! The broker URLs hold the password, so the harness passes them in `AMQP_URL`, not on the
+//! command line (where `ps` shows them). Several URLs (comma-separated, or `--url` repeated) are
+//! the worker's own failover list
 //! ([`WorkerBuilder::failover_urls`](redeliver::WorkerBuilder::failover_urls)): it connects
 //! through the first and, when a connection attempt fails or the connection is lost, goes on
 //! with the next one.
@@ -70,6 +73,7 @@ struct Args {
         long = "url",
         env = "AMQP_URL",
         value_delimiter = ',',
+        hide_env_values = true,
         default_value = "amqp://guest:guest@127.0.0.1:5672/%2f"
     )]
     urls: Vec<String>,
@@ -94,9 +98,12 @@ struct Args {
     /// `x-delivery-limit` of a quorum work queue.
     #[arg(long, default_value_t = 20)]
     delivery_limit: u32,
-    /// File the id of every successful message is appended to, one per line.
+    /// File every success is appended to: `<message id> <label>` per line.
     #[arg(long)]
     record: PathBuf,
+    /// Names this process in its success records (no spaces).
+    #[arg(long, default_value = "worker")]
+    label: String,
     /// Also fsync the record file after each line (survives a machine crash, not only a
     /// process kill; the tests only kill processes, so it is off by default).
     #[arg(long)]
@@ -191,6 +198,7 @@ enum Behaviour {
 /// Settings and shared files of the handler.
 struct App {
     record: Mutex<File>,
+    label: String,
     calls: Option<Mutex<File>>,
     fsync: bool,
     seed: u64,
@@ -312,7 +320,7 @@ impl App {
         }
         // Recorded before returning Ok, i.e. before the ack: if recording fails the message must
         // not be acked, so it becomes a transient error and is retried.
-        Self::append(&self.record, &format!("{id}\n"), self.fsync)
+        Self::append(&self.record, &format!("{id} {}\n", self.label), self.fsync)
             .map_err(|e| HandlerError::transient(format!("cannot record success: {e}")))?;
         Ok(())
     }
@@ -498,6 +506,9 @@ async fn main() -> anyhow::Result<()> {
         .with_ansi(false)
         .init();
     let args = Args::parse();
+    if args.label.contains(char::is_whitespace) {
+        bail!("--label must not contain spaces: {:?}", args.label);
+    }
     if let Some(path) = &args.acked {
         // Before the worker is built: it resolves its metric handles when a session starts.
         let recorder = AckedRecorder {
@@ -511,6 +522,7 @@ async fn main() -> anyhow::Result<()> {
     }
     let app = Arc::new(App {
         record: Mutex::new(open_append(&args.record)?),
+        label: args.label.clone(),
         calls: args
             .calls
             .as_ref()

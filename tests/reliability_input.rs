@@ -528,7 +528,7 @@ async fn malformed_x_death_reaches_the_dlq_without_breaking_dead_lettering() {
             *out.lock().unwrap_or_else(|p| p.into_inner()) = Some((
                 acc.lost.len(),
                 settled.is_ok(),
-                acc.duplicates + acc.rehandled,
+                acc.settled_twice + acc.duplicate_total(),
             ));
         });
         // A broker-side crash can make even the accounting fail (a classic queue that "crashed

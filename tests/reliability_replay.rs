@@ -22,10 +22,9 @@ const KILL_AT: [f64; 2] = [0.25, 0.6];
 
 fn replay_cmd(s: &Scenario) -> Command {
     let mut cmd = Command::new(Scenario::cli_binary());
+    // The URL holds the password: in the environment, never on the command line.
     cmd.args(["dlq", "replay", &s.short_queue, "--prefix", &s.prefix])
-        .arg("--url")
-        .arg(&s.shape.url)
-        .env_remove("AMQP_URL")
+        .env("AMQP_URL", &s.shape.url)
         .env_remove("AMQP_URL_FILE");
     cmd
 }
@@ -126,9 +125,17 @@ async fn dlq_replay_killed_mid_run_loses_nothing() {
             .filter(|g| !published.contains(g.id.as_str()))
             .count();
         let duplicates = back.len() - copies.len();
+        // Named, so a failure says which messages the kills duplicated.
+        let mut duplicated: Vec<(&str, usize)> = copies
+            .iter()
+            .filter(|(_, n)| **n > 1)
+            .map(|(id, n)| (*id, n - 1))
+            .collect();
+        duplicated.sort();
         report(format!(
             "RESULT fault=\"dlq replay SIGKILLed, {kills} kills\" broker=\"{}\" N={N} lost={} \
-             duplicates={duplicates} left-in-dlq={} bound={kills}; total {:?}",
+             duplicates={duplicates} left-in-dlq={} bound={kills} duplicated-ids={duplicated:?}; \
+             total {:?}",
             s.broker,
             lost.len(),
             left.len(),
@@ -148,7 +155,8 @@ async fn dlq_replay_killed_mid_run_loses_nothing() {
         assert_eq!(foreign, 0, "messages of another scenario in the work queue");
         assert!(
             duplicates <= kills,
-            "{duplicates} duplicates after {kills} kills: more than the message in flight at each"
+            "{duplicates} duplicates after {kills} kills: more than the message in flight at each: \
+             {duplicated:?}"
         );
     })
     .await;

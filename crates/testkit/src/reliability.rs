@@ -3,14 +3,20 @@
 //! A [`Scenario`] owns one uniquely prefixed topology (work queue, DLX, DLQ and its own delay
 //! levels) on one broker. The test publishes messages with unique ids ([`Scenario::publish`]),
 //! runs `reliability_worker` processes against it ([`Scenario::worker`]), injects its fault, and
-//! then [`Scenario::account`]s for every id: acked after a success (gone from every queue of the
-//! scenario, with a success recorded by its handler before the ack), in the DLQ, or still in the
-//! work queue, the delay levels or the unroutable queue. An id found nowhere is *lost* (the suite
-//! requires zero). A *duplicate* is a settlement too many: the success acks the workers sent
-//! (counted after each ack frame is written, from the worker's own success counter) plus the
-//! copies left in the broker, minus the ids they settle; a handler that ran twice for one
-//! message without a second ack is counted apart (*re-handled*). Both are allowed by
-//! at-least-once, and each fault test bounds them.
+//! then [`Scenario::account`]s for every id, one [`IdAccount`] each: acked after a success (gone
+//! from every queue of the scenario, with the successes its handlers recorded before the ack,
+//! and which worker process recorded each), in the DLQ (with each copy's headers), still in the
+//! work queue or the delay levels, parked in the unroutable queue, or *lost* (found nowhere and
+//! never recorded as a success; the suite requires none). Every id settled or handled more than
+//! once is named with its count ([`Accounting::duplicates`]), so a failure says which ids were
+//! lost or duplicated, not only how many. Beside the per-id account, the workers' own success
+//! counter (observed after each ack frame is written) says how many success acks left the
+//! processes: acks written beyond the ids acked are acks the broker never acted on (a
+//! *duplicate* in the totals, as opposed to a handler that ran again without a second ack,
+//! *re-handled*). Both are allowed by at-least-once, and each fault test bounds them.
+//!
+//! Broker URLs hold passwords: the harness hands them to worker processes through the
+//! environment (`AMQP_URL`), never on a command line, and prints them redacted.
 //!
 //! A broker that cannot be reached fails the test with instructions, never skips it.
 
@@ -26,6 +32,7 @@ use futures::{FutureExt, StreamExt};
 use lapin::options::{BasicGetOptions, BasicPublishOptions};
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{BasicProperties, Connection, ConnectionProperties};
+use redeliver_amqp::url::redact;
 use redeliver_amqp::{DelayConfig, Publisher, QueueType, Topology};
 
 use crate::mgmt;
@@ -53,7 +60,8 @@ pub async fn connect(url: &str) -> Connection {
     match Connection::connect(url, props).await {
         Ok(c) => c,
         Err(e) => panic!(
-            "cannot connect to RabbitMQ at {url}: {e}\n{}",
+            "cannot connect to RabbitMQ at {}: {e}\n{}",
+            redact(url),
             crate::START_BROKER
         ),
     }
@@ -82,7 +90,7 @@ pub fn worker_binary() -> &'static Path {
 // Scenario
 
 /// How a scenario's topology is shaped.
-#[derive(Clone, Debug)]
+#[derive(Clone)]
 pub struct Shape {
     /// AMQP URL of the broker (the test's publisher and the accounting use it).
     pub url: String,
@@ -96,6 +104,20 @@ pub struct Shape {
     pub dlq_queue_type: QueueType,
     /// Quorum `x-delivery-limit` of the work queue.
     pub delivery_limit: u32,
+}
+
+/// Shows the URL without its password.
+impl std::fmt::Debug for Shape {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Shape")
+            .field("url", &redact(&self.url))
+            .field("queue_type", &self.queue_type)
+            .field("delay_levels", &self.delay_levels)
+            .field("delay_queue_type", &self.delay_queue_type)
+            .field("dlq_queue_type", &self.dlq_queue_type)
+            .field("delivery_limit", &self.delivery_limit)
+            .finish()
+    }
 }
 
 impl Default for Shape {
@@ -179,7 +201,7 @@ impl Scenario {
             .expect("open a confirm-mode publisher");
         let broker = match redeliver_amqp::ServerInfo::probe(&shape.url).await {
             Ok(info) => format!("RabbitMQ {}", info.version_text()),
-            Err(e) => panic!("probe the broker at {}: {e}", shape.url),
+            Err(e) => panic!("probe the broker at {}: {e}", redact(&shape.url)),
         };
         report(format!(
             "{name}: {broker}, prefix {prefix}, files in {}",
@@ -292,7 +314,7 @@ impl Scenario {
                 Err(e) => assert!(
                     start.elapsed() < timeout,
                     "reconnect to {} within {timeout:?}: {e}",
-                    self.shape.url
+                    redact(&self.shape.url)
                 ),
             }
             tokio::time::sleep(Duration::from_millis(200)).await;
@@ -305,12 +327,17 @@ impl Scenario {
         format!("redeliver-worker:{}", self.queue())
     }
 
+    /// Connection name of the worker processes' publishing connections (retry copies, dead
+    /// letters), as the management API shows it: the worker names it after its consuming one.
+    pub fn worker_publishing_connection_name(&self) -> String {
+        format!("{} (publishing)", self.worker_connection_name())
+    }
+
     /// A worker process command line for this scenario; add fault flags, then `spawn`.
     pub fn worker(&self) -> WorkerCmd {
         WorkerCmd {
+            urls: self.shape.url.clone(),
             args: vec![
-                "--url".into(),
-                self.shape.url.clone(),
                 "--queue".into(),
                 self.short_queue.clone(),
                 "--prefix".into(),
@@ -468,12 +495,25 @@ impl Scenario {
 
     /// Success lines of the record file, per id.
     pub fn succeeded(&self) -> HashMap<String, usize> {
-        read_lines(&self.record)
+        self.success_records()
             .into_iter()
-            .fold(HashMap::new(), |mut m, id| {
+            .fold(HashMap::new(), |mut m, (id, _)| {
                 *m.entry(id).or_default() += 1;
                 m
             })
+    }
+
+    /// Success lines of the record file: `(id, label of the worker process)`, in the order
+    /// they were written (a line without a label, from an older worker, has an empty one).
+    pub fn success_records(&self) -> Vec<(String, String)> {
+        read_lines(&self.record)
+            .into_iter()
+            // The label has no spaces (the worker refuses one); an id may.
+            .map(|l| match l.rsplit_once(' ') {
+                Some((id, label)) => (id.to_owned(), label.to_owned()),
+                None => (l, String::new()),
+            })
+            .collect()
     }
 
     /// Success acks written by the workers so far (the sum of the acked file).
@@ -627,86 +667,26 @@ impl Scenario {
     /// of them was acked after a success, provided its handler recorded one (before the ack);
     /// without such a record it is lost.
     pub async fn account(&self, ids: &[String]) -> Accounting {
-        let published: HashSet<&str> = ids.iter().map(String::as_str).collect();
-        let handled = self.succeeded();
+        let records = self.success_records();
         let acked_successes = self.acked_successes();
         let dlq = self.drain(&self.dlq()).await;
-        let mut remaining = self.drain(&self.queue()).await;
+        let mut waiting = self.drain(&self.queue()).await;
         for k in 0..self.shape.delay_levels {
-            remaining.extend(self.drain(&self.delay().level_name(k)).await);
+            waiting.extend(self.drain(&self.delay().level_name(k)).await);
         }
         let unroutable = self.drain(&self.delay().unroutable_name()).await;
-        let mut foreign = handled
-            .iter()
-            .filter(|(id, _)| !published.contains(id.as_str()))
-            .map(|(_, n)| n)
-            .sum::<usize>();
-        // Copies per id still held by the broker, and per id in the DLQ alone.
-        let mut in_broker: HashMap<&str, usize> = HashMap::new();
-        let mut in_dlq: HashMap<&str, usize> = HashMap::new();
-        for g in dlq.iter().chain(&remaining).chain(&unroutable) {
-            if published.contains(g.id.as_str()) {
-                *in_broker.entry(g.id.as_str()).or_default() += 1;
-            } else {
-                foreign += 1;
-            }
-        }
-        for g in &dlq {
-            if published.contains(g.id.as_str()) {
-                *in_dlq.entry(g.id.as_str()).or_default() += 1;
-            }
-        }
-        let mut lost = Vec::new();
-        let mut succeeded = 0;
-        for id in ids {
-            match (
-                in_broker.contains_key(id.as_str()),
-                handled.contains_key(id),
-            ) {
-                (true, _) => {}
-                (false, true) => succeeded += 1,
-                (false, false) => lost.push(id.clone()),
-            }
-        }
-        let broker_copies: usize = in_broker.values().sum();
-        // One settlement per id is expected: a success ack, or its one copy in the broker.
-        let settlements = acked_successes as usize + broker_copies;
-        let settled_ids = succeeded + in_broker.len();
-        let handler_successes: usize = handled
-            .iter()
-            .filter(|(id, _)| published.contains(id.as_str()))
-            .map(|(_, n)| n)
-            .sum();
-        let handled_ids = handled
-            .keys()
-            .filter(|id| published.contains(id.as_str()))
-            .count();
-        let mut dlq_repeated: Vec<(String, usize)> = in_dlq
-            .iter()
-            .filter(|(_, n)| **n > 1)
-            .map(|(id, n)| ((*id).to_owned(), *n))
-            .collect();
-        dlq_repeated.sort();
-        Accounting {
-            scenario: self.name.clone(),
-            broker: self.broker.clone(),
-            published: ids.len(),
-            succeeded,
-            acked_successes,
-            acks_unseen: succeeded.saturating_sub(acked_successes as usize),
-            handler_successes,
-            rehandled: handler_successes - handled_ids,
-            dead_lettered: in_dlq.len(),
-            dlq_messages: in_dlq.values().sum(),
-            dlq_repeated,
-            remaining: remaining.len(),
-            unroutable: unroutable.len(),
-            lost,
-            duplicates: settlements.saturating_sub(settled_ids),
-            foreign,
-            dlq,
-            unroutable_messages: unroutable,
-        }
+        Accounting::compute(
+            &self.name,
+            &self.broker,
+            ids,
+            Observed {
+                records,
+                acked_successes,
+                dlq,
+                waiting,
+                unroutable,
+            },
+        )
     }
 
     /// Path of the CLI (`redeliver`, crate `redeliver-cli`), built first when missing or stale.
@@ -780,13 +760,98 @@ impl Got {
     }
 }
 
-/// Where every published id ended up.
+/// Where one published id ended, as [`IdAccount::ending`] reads its account.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Ending {
+    /// Gone from every queue of the scenario, with a success its handler recorded before the
+    /// ack: acked after success.
+    Acked,
+    /// In the DLQ (and nowhere else waiting).
+    DeadLettered,
+    /// Still in the work queue or a delay level.
+    InFlight,
+    /// In the delay infrastructure's unroutable (parking) queue.
+    Parked,
+    /// Found nowhere, and no handler recorded a success for it.
+    Lost,
+}
+
+/// Everything known about one published id after the run.
+#[derive(Clone, Debug, Default)]
+pub struct IdAccount {
+    /// Labels of the worker processes whose handler recorded a success for it, one per
+    /// success (before each ack; a label twice is one process handling it twice).
+    pub handled_by: Vec<String>,
+    /// Its copies in the DLQ, with their headers (x-death, attempt, last error).
+    pub dlq: Vec<Got>,
+    /// Its copies still in the work queue or the delay levels.
+    pub waiting: usize,
+    /// Its copies in the unroutable (parking) queue.
+    pub parked: usize,
+}
+
+impl IdAccount {
+    /// Successes its handlers recorded.
+    pub fn successes(&self) -> usize {
+        self.handled_by.len()
+    }
+
+    /// Copies of it the broker still holds (DLQ, work queue, delay levels, parking queue).
+    pub fn copies(&self) -> usize {
+        self.dlq.len() + self.waiting + self.parked
+    }
+
+    /// Where it ended. A copy still waiting wins over the rest (it is not settled yet), then a
+    /// parked one, then the DLQ; an id the broker no longer holds was acked, after a success
+    /// if its handler recorded one, else it is lost.
+    pub fn ending(&self) -> Ending {
+        if self.waiting > 0 {
+            Ending::InFlight
+        } else if self.parked > 0 {
+            Ending::Parked
+        } else if !self.dlq.is_empty() {
+            Ending::DeadLettered
+        } else if self.successes() > 0 {
+            Ending::Acked
+        } else {
+            Ending::Lost
+        }
+    }
+
+    /// Times it was handled or settled beyond once: handler successes plus copies held by the
+    /// broker, minus one. Acked twice (the broker redelivered it although its ack was written),
+    /// handled again without a second ack, acked and dead-lettered, dead-lettered twice: each
+    /// extra time counts one.
+    pub fn extra(&self) -> usize {
+        (self.successes() + self.copies()).saturating_sub(1)
+    }
+}
+
+/// The drained queues and the workers' records one [`Accounting`] is computed from.
+#[derive(Debug, Default)]
+pub struct Observed {
+    /// Success records, `(id, worker label)`, in the order they were written.
+    pub records: Vec<(String, String)>,
+    /// Success acks the workers counted after writing them.
+    pub acked_successes: u64,
+    /// What the DLQ held.
+    pub dlq: Vec<Got>,
+    /// What the work queue and the delay levels held.
+    pub waiting: Vec<Got>,
+    /// What the unroutable (parking) queue held.
+    pub unroutable: Vec<Got>,
+}
+
+/// Where every published id ended up: per id ([`Self::ids`]), and the totals the reports and
+/// RELIABILITY.md's tables use.
 #[derive(Debug)]
 pub struct Accounting {
     /// The scenario's name.
     pub scenario: String,
     /// The broker it ran on (`RabbitMQ 4.0.5`).
     pub broker: String,
+    /// Every published id's account.
+    pub ids: BTreeMap<String, IdAccount>,
     /// Ids published.
     pub published: usize,
     /// Ids acked after a success: gone from every queue, with a success recorded by the handler.
@@ -800,7 +865,8 @@ pub struct Accounting {
     /// Success lines the handlers recorded for published ids (before the ack).
     pub handler_successes: usize,
     /// Handler successes beyond one per id: the handler ran again for a message already
-    /// handled (a fault between its success and the broker receiving the ack).
+    /// handled (a fault between its success and the broker receiving the ack). The ids are in
+    /// [`Self::duplicates`].
     pub rehandled: usize,
     /// Distinct published ids found in the DLQ.
     pub dead_lettered: usize,
@@ -809,16 +875,23 @@ pub struct Accounting {
     pub dlq_messages: usize,
     /// Ids found in the DLQ more than once, with their number of copies.
     pub dlq_repeated: Vec<(String, usize)>,
-    /// Still in the work queue or the delay levels.
+    /// Messages still in the work queue or the delay levels.
     pub remaining: usize,
+    /// Ids with a copy still in the work queue or the delay levels.
+    pub in_flight: Vec<String>,
     /// Messages found in the unroutable (parking) queue.
     pub unroutable: usize,
     /// Published ids found nowhere, or gone from the broker without a handler success.
     pub lost: Vec<String>,
-    /// Settlements beyond one per id: success acks plus copies still in the broker (DLQ, work
-    /// queue, delay levels, parking queue), minus the ids they settle. A message acked twice,
-    /// acked and dead-lettered, or dead-lettered twice counts one.
-    pub duplicates: usize,
+    /// Every id handled or settled more than once, with how many times beyond once
+    /// ([`IdAccount::extra`]).
+    pub duplicates: BTreeMap<String, usize>,
+    /// Settlements beyond one per id, counted as the broker sees them: success acks written
+    /// plus copies still in the broker (DLQ, work queue, delay levels, parking queue), minus the
+    /// ids they settle. A message acked twice, acked and dead-lettered, or dead-lettered twice
+    /// counts one; a handler that ran again without a second ack does not (that is
+    /// [`Self::rehandled`]). Each of them is one of the ids named in [`Self::duplicates`].
+    pub settled_twice: usize,
     /// Messages found (or successes recorded) that this scenario did not publish.
     pub foreign: usize,
     /// What the DLQ held.
@@ -827,13 +900,153 @@ pub struct Accounting {
     pub unroutable_messages: Vec<Got>,
 }
 
+/// At most this many ids are printed in one message; the count says how many there were.
+const NAMED: usize = 20;
+
+/// `{id: n, ...}` of at most [`NAMED`] entries, and `... (k in all)` past that.
+fn named_counts(m: &BTreeMap<String, usize>) -> String {
+    let mut out: Vec<String> = m
+        .iter()
+        .take(NAMED)
+        .map(|(id, n)| format!("{id}: {n}"))
+        .collect();
+    if m.len() > NAMED {
+        out.push(format!("... ({} ids in all)", m.len()));
+    }
+    format!("{{{}}}", out.join(", "))
+}
+
+/// `[id, ...]` of at most [`NAMED`] ids, and `... (k in all)` past that.
+fn named(ids: &[String]) -> String {
+    let mut out: Vec<&str> = ids.iter().take(NAMED).map(String::as_str).collect();
+    let all = format!("... ({} ids in all)", ids.len());
+    if ids.len() > NAMED {
+        out.push(&all);
+    }
+    format!("[{}]", out.join(", "))
+}
+
 impl Accounting {
+    /// Accounts for `ids` from what was observed: pure bookkeeping, so it is tested alone.
+    pub fn compute(scenario: &str, broker: &str, ids: &[String], seen: Observed) -> Accounting {
+        let mut accounts: BTreeMap<String, IdAccount> = ids
+            .iter()
+            .map(|id| (id.clone(), IdAccount::default()))
+            .collect();
+        let mut foreign = 0;
+        for (id, label) in seen.records {
+            match accounts.get_mut(&id) {
+                Some(a) => a.handled_by.push(label),
+                None => foreign += 1,
+            }
+        }
+        for g in &seen.dlq {
+            match accounts.get_mut(&g.id) {
+                Some(a) => a.dlq.push(g.clone()),
+                None => foreign += 1,
+            }
+        }
+        for g in &seen.waiting {
+            match accounts.get_mut(&g.id) {
+                Some(a) => a.waiting += 1,
+                None => foreign += 1,
+            }
+        }
+        for g in &seen.unroutable {
+            match accounts.get_mut(&g.id) {
+                Some(a) => a.parked += 1,
+                None => foreign += 1,
+            }
+        }
+        let with = |e: Ending| -> Vec<String> {
+            accounts
+                .iter()
+                .filter(|(_, a)| a.ending() == e)
+                .map(|(id, _)| id.clone())
+                .collect()
+        };
+        let lost = with(Ending::Lost);
+        let succeeded = with(Ending::Acked).len();
+        let in_flight = with(Ending::InFlight);
+        let duplicates: BTreeMap<String, usize> = accounts
+            .iter()
+            .filter(|(_, a)| a.extra() > 0)
+            .map(|(id, a)| (id.clone(), a.extra()))
+            .collect();
+        let handler_successes: usize = accounts.values().map(IdAccount::successes).sum();
+        let handled_ids = accounts.values().filter(|a| a.successes() > 0).count();
+        let in_broker: Vec<&IdAccount> = accounts.values().filter(|a| a.copies() > 0).collect();
+        let broker_copies: usize = in_broker.iter().map(|a| a.copies()).sum();
+        // One settlement per id is expected: a success ack, or its one copy in the broker.
+        let settlements = seen.acked_successes as usize + broker_copies;
+        let settled_ids = succeeded + in_broker.len();
+        let dlq_repeated: Vec<(String, usize)> = accounts
+            .iter()
+            .filter(|(_, a)| a.dlq.len() > 1)
+            .map(|(id, a)| (id.clone(), a.dlq.len()))
+            .collect();
+        Accounting {
+            scenario: scenario.to_owned(),
+            broker: broker.to_owned(),
+            published: ids.len(),
+            succeeded,
+            acked_successes: seen.acked_successes,
+            acks_unseen: succeeded.saturating_sub(seen.acked_successes as usize),
+            handler_successes,
+            rehandled: handler_successes - handled_ids,
+            dead_lettered: accounts.values().filter(|a| !a.dlq.is_empty()).count(),
+            dlq_messages: accounts.values().map(|a| a.dlq.len()).sum(),
+            dlq_repeated,
+            remaining: accounts.values().map(|a| a.waiting).sum(),
+            in_flight,
+            unroutable: seen.unroutable.len(),
+            lost,
+            duplicates,
+            settled_twice: settlements.saturating_sub(settled_ids),
+            foreign,
+            dlq: seen.dlq,
+            unroutable_messages: seen.unroutable,
+            ids: accounts,
+        }
+    }
+
+    /// Handled or settled beyond once, all ids together (the sum of [`Self::duplicates`]).
+    pub fn duplicate_total(&self) -> usize {
+        self.duplicates.values().sum()
+    }
+
+    /// Each duplicated id with what happened to it: its successes and the processes that
+    /// recorded them, its copies in the DLQ (with their x-death reasons) and elsewhere.
+    pub fn describe_duplicates(&self) -> String {
+        let mut out: Vec<String> = self
+            .duplicates
+            .keys()
+            .take(NAMED)
+            .filter_map(|id| {
+                let a = self.ids.get(id)?;
+                let reasons: Vec<String> = a
+                    .dlq
+                    .iter()
+                    .map(|g| g.death_reason().unwrap_or_else(|| "none".into()))
+                    .collect();
+                Some(format!(
+                    "{id}: handled by {:?}, DLQ copies {reasons:?}, waiting {}, parked {}",
+                    a.handled_by, a.waiting, a.parked
+                ))
+            })
+            .collect();
+        if self.duplicates.len() > NAMED {
+            out.push(format!("... ({} ids in all)", self.duplicates.len()));
+        }
+        out.join("; ")
+    }
+
     /// One line with every count.
     pub fn summary(&self) -> String {
         format!(
             "N={} succeeded={} (success acks {}, unseen {}; handler successes {}, re-handled {}) \
              dead-lettered={} (DLQ messages {}, ids twice or more {}) remaining={} unroutable={} \
-             lost={} duplicates={} foreign={}",
+             lost={} duplicates={} (settled twice {}) foreign={}; duplicated ids {}",
             self.published,
             self.succeeded,
             self.acked_successes,
@@ -846,8 +1059,10 @@ impl Accounting {
             self.remaining,
             self.unroutable,
             self.lost.len(),
-            self.duplicates,
-            self.foreign
+            self.duplicate_total(),
+            self.settled_twice,
+            self.foreign,
+            named_counts(&self.duplicates)
         )
     }
 
@@ -856,9 +1071,9 @@ impl Accounting {
         report(format!("{what}: {}", self.summary()));
         assert!(
             self.lost.is_empty(),
-            "{what}: {} message(s) lost, e.g. {:?}",
+            "{what}: {} message(s) lost: {}",
             self.lost.len(),
-            &self.lost[..self.lost.len().min(10)]
+            named(&self.lost)
         );
         assert_eq!(
             self.foreign, 0,
@@ -874,7 +1089,12 @@ impl Accounting {
     /// [`Self::assert_settled`] where exactly `parked` messages must be in the parking queue.
     pub fn assert_settled_parked(&self, what: &str, parked: usize) {
         self.assert_nothing_lost(what);
-        assert_eq!(self.remaining, 0, "{what}: messages still waiting");
+        assert!(
+            self.in_flight.is_empty(),
+            "{what}: {} message(s) still waiting in the work queue or the delay levels: {}",
+            self.remaining,
+            named(&self.in_flight)
+        );
         assert_eq!(
             self.unroutable,
             parked,
@@ -883,37 +1103,50 @@ impl Accounting {
             self.unroutable_messages
                 .iter()
                 .map(|g| g.id.as_str())
-                .take(10)
+                .take(NAMED)
                 .collect::<Vec<_>>()
         );
     }
 
-    /// Bounds what at-least-once allows a fault to cost: `duplicates` and `rehandled` at most
-    /// `bound` each, and, without a process killed (`killed` false), every id gone from the
-    /// broker matched by a success ack the workers counted. Prints the measured counts as one
-    /// `RESULT` line (RELIABILITY.md's table is filled from them).
+    /// Bounds what at-least-once allows a fault to cost: the ids handled or settled more than
+    /// once, `bound` times at most in all, each named in the message; the settlements and the
+    /// handler runs beyond one per id at most `bound` each; and, without a process killed
+    /// (`killed` false), every id gone from the broker matched by a success ack the workers
+    /// counted. Prints the measured counts as one `RESULT` line (RELIABILITY.md's tables are
+    /// filled from them), with the duplicated ids.
     pub fn assert_duplicates_at_most(&self, what: &str, bound: usize, killed: bool) {
         report(format!(
             "RESULT fault=\"{what}\" broker=\"{}\" N={} lost={} duplicates={} re-handled={} \
-             dlq-ids={} dlq-messages={} acks-unseen={} bound={bound}",
+             dlq-ids={} dlq-messages={} acks-unseen={} bound={bound} duplicated-ids={}",
             self.broker,
             self.published,
             self.lost.len(),
-            self.duplicates,
+            self.settled_twice,
             self.rehandled,
             self.dead_lettered,
             self.dlq_messages,
-            self.acks_unseen
+            self.acks_unseen,
+            named_counts(&self.duplicates)
         ));
         assert!(
-            self.duplicates <= bound,
-            "{what}: {} duplicates, more than the bound {bound}",
-            self.duplicates
+            self.duplicate_total() <= bound,
+            "{what}: ids handled or settled more than once, {} times beyond once in all, more \
+             than the bound {bound}: {}",
+            self.duplicate_total(),
+            self.describe_duplicates()
+        );
+        assert!(
+            self.settled_twice <= bound,
+            "{what}: {} settlements beyond one per id, more than the bound {bound}; duplicated \
+             ids: {}",
+            self.settled_twice,
+            self.describe_duplicates()
         );
         assert!(
             self.rehandled <= bound,
-            "{what}: {} messages handled again, more than the bound {bound}",
-            self.rehandled
+            "{what}: {} messages handled again, more than the bound {bound}; duplicated ids: {}",
+            self.rehandled,
+            self.describe_duplicates()
         );
         if killed {
             assert!(
@@ -933,10 +1166,11 @@ impl Accounting {
 
     /// Ids found in the DLQ more than once must be none: every dead letter is one message.
     pub fn assert_dead_lettered_once(&self, what: &str) {
+        let repeated: BTreeMap<String, usize> = self.dlq_repeated.iter().cloned().collect();
         assert!(
-            self.dlq_repeated.is_empty(),
-            "{what}: ids dead-lettered more than once: {:?}",
-            &self.dlq_repeated[..self.dlq_repeated.len().min(10)]
+            repeated.is_empty(),
+            "{what}: ids dead-lettered more than once: {}",
+            named_counts(&repeated)
         );
     }
 
@@ -954,11 +1188,26 @@ impl Accounting {
 // ---------------------------------------------------------------------------------------------
 // Worker processes
 
-/// Command line of a `reliability_worker` process.
-#[derive(Clone, Debug)]
+/// Command line of a `reliability_worker` process. The broker URLs, which hold the password,
+/// are not part of it: they reach the process through its environment (`AMQP_URL`), so `ps`,
+/// `/proc/<pid>/cmdline` and any message quoting the command never show them.
+#[derive(Clone)]
 pub struct WorkerCmd {
+    /// Comma-separated broker URLs, passwords included: only ever put in the child's
+    /// environment.
+    urls: String,
     args: Vec<String>,
     dir: PathBuf,
+}
+
+impl std::fmt::Debug for WorkerCmd {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("WorkerCmd")
+            .field("urls", &redact(&self.urls))
+            .field("args", &self.args)
+            .field("dir", &self.dir)
+            .finish()
+    }
 }
 
 impl WorkerCmd {
@@ -975,33 +1224,43 @@ impl WorkerCmd {
         self
     }
 
-    /// Replaces the `--url` (several, comma-separated, are tried in turn).
+    /// Replaces the broker URLs (several, comma-separated, are tried in turn).
     pub fn urls(mut self, urls: &str) -> Self {
-        if let Some(i) = self.args.iter().position(|a| a == "--url") {
-            self.args[i + 1] = urls.to_owned();
-        }
+        urls.clone_into(&mut self.urls);
         self
+    }
+
+    /// The process `spawn` starts as `label`: the arguments (no URL among them) and, in the
+    /// environment, `AMQP_URL` with the broker URLs.
+    pub fn command(&self, label: &str) -> Command {
+        self.command_of(worker_binary(), label)
+    }
+
+    /// [`Self::command`] running `program`.
+    fn command_of(&self, program: &Path, label: &str) -> Command {
+        let mut cmd = Command::new(program);
+        cmd.args(&self.args)
+            .arg("--events")
+            .arg(self.dir.join(format!("{label}.events")))
+            // Its success records name the process, so a duplicate says who handled it.
+            .arg("--label")
+            .arg(label)
+            .env(
+                "RUST_LOG",
+                std::env::var("RELIABILITY_WORKER_LOG").unwrap_or_else(|_| "info".into()),
+            )
+            // The one source of the URLs, replacing whatever the test process was given.
+            .env("AMQP_URL", &self.urls);
+        cmd
     }
 
     /// Starts the process; its output goes to `<scenario dir>/<label>.log`, its state changes
     /// to `<label>.events`.
     pub fn spawn(&self, label: &str) -> WorkerProc {
-        let events = self.dir.join(format!("{label}.events"));
-        let mut cmd = Command::new(worker_binary());
-        cmd.args(&self.args)
-            .arg("--events")
-            .arg(&events)
-            .env(
-                "RUST_LOG",
-                std::env::var("RELIABILITY_WORKER_LOG").unwrap_or_else(|_| "info".into()),
-            )
-            // AMQP_URL would otherwise be ignored anyway (--url is given); keep the child's
-            // environment free of it so a single source decides.
-            .env_remove("AMQP_URL");
         let log = self.dir.join(format!("{label}.log"));
         WorkerProc {
-            process: LoggedChild::spawn(cmd, label, log),
-            events,
+            process: LoggedChild::spawn(self.command(label), label, log),
+            events: self.dir.join(format!("{label}.events")),
         }
     }
 }
@@ -1307,5 +1566,146 @@ impl Drop for Nodes {
                 eprintln!("{e}");
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn got(id: &str) -> Got {
+        Got {
+            id: id.to_owned(),
+            headers: FieldTable::default(),
+            body_len: 0,
+        }
+    }
+
+    fn record(id: &str, label: &str) -> (String, String) {
+        (id.to_owned(), label.to_owned())
+    }
+
+    fn panic_message(f: impl FnOnce()) -> String {
+        let err = std::panic::catch_unwind(AssertUnwindSafe(f)).expect_err("should panic");
+        err.downcast_ref::<String>()
+            .cloned()
+            .or_else(|| err.downcast_ref::<&str>().map(|s| (*s).to_owned()))
+            .unwrap_or_default()
+    }
+
+    #[test]
+    fn every_id_has_an_ending_and_duplicates_are_named() {
+        let ids: Vec<String> = [
+            "ok",
+            "twice",
+            "dlq2",
+            "ok-and-dlq",
+            "gone",
+            "waiting",
+            "parked",
+        ]
+        .iter()
+        .map(|s| (*s).to_owned())
+        .collect();
+        let seen = Observed {
+            records: vec![
+                record("ok", "a-1"),
+                record("twice", "a-1"),
+                record("twice", "a-2"),
+                record("ok-and-dlq", "b-1"),
+                record("someone-else", "b-1"),
+            ],
+            // ok, twice (acked twice: the first ack was written, then lost), ok-and-dlq.
+            acked_successes: 4,
+            dlq: vec![got("dlq2"), got("dlq2"), got("ok-and-dlq")],
+            waiting: vec![got("waiting")],
+            unroutable: vec![got("parked")],
+        };
+        let acc = Accounting::compute("t", "RabbitMQ 0", &ids, seen);
+        let ending = |id: &str| acc.ids[id].ending();
+        assert_eq!(ending("ok"), Ending::Acked);
+        assert_eq!(ending("twice"), Ending::Acked);
+        assert_eq!(ending("dlq2"), Ending::DeadLettered);
+        assert_eq!(ending("ok-and-dlq"), Ending::DeadLettered);
+        assert_eq!(ending("gone"), Ending::Lost);
+        assert_eq!(ending("waiting"), Ending::InFlight);
+        assert_eq!(ending("parked"), Ending::Parked);
+        assert_eq!(acc.ids["twice"].handled_by, ["a-1", "a-2"]);
+        assert_eq!(acc.lost, ["gone"]);
+        assert_eq!(acc.in_flight, ["waiting"]);
+        assert_eq!(acc.succeeded, 2);
+        assert_eq!(acc.foreign, 1);
+        let dup: Vec<(&str, usize)> = acc
+            .duplicates
+            .iter()
+            .map(|(id, n)| (id.as_str(), *n))
+            .collect();
+        assert_eq!(dup, [("dlq2", 1), ("ok-and-dlq", 1), ("twice", 1)]);
+        assert_eq!(acc.rehandled, 1);
+        // Acked twice, dead-lettered twice, acked and dead-lettered: one each.
+        assert_eq!(acc.settled_twice, 3);
+        assert_eq!(acc.dlq_repeated, [("dlq2".to_owned(), 2)]);
+
+        // Each failure names the ids, not only how many.
+        let msg = panic_message(|| acc.assert_nothing_lost("t"));
+        assert!(msg.contains("[gone]"), "{msg}");
+        let msg = panic_message(|| acc.assert_duplicates_at_most("t", 2, true));
+        for id in ["twice", "dlq2", "ok-and-dlq", "a-2"] {
+            assert!(msg.contains(id), "{id} not named in: {msg}");
+        }
+        let msg = panic_message(|| acc.assert_dead_lettered_once("t"));
+        assert!(msg.contains("dlq2: 2"), "{msg}");
+    }
+
+    #[test]
+    fn a_clean_run_has_no_duplicates() {
+        let ids = vec!["a".to_owned(), "b".to_owned()];
+        let seen = Observed {
+            records: vec![record("a", "w")],
+            acked_successes: 1,
+            dlq: vec![got("b")],
+            ..Observed::default()
+        };
+        let acc = Accounting::compute("t", "RabbitMQ 0", &ids, seen);
+        acc.assert_settled("t");
+        acc.assert_duplicates_at_most("t", 0, false);
+        acc.assert_dead_lettered_once("t");
+        assert!(acc.duplicates.is_empty());
+    }
+
+    #[test]
+    fn the_worker_command_line_holds_no_password() {
+        let urls = "amqp://app:s3cret@127.0.0.1:5672/%2f,amqp://app:s3cret@127.0.0.1:5673/%2f";
+        let cmd = WorkerCmd {
+            urls: "amqp://guest:guest@127.0.0.1:5672/%2f".into(),
+            args: vec!["--queue".into(), "work".into()],
+            dir: std::env::temp_dir(),
+        }
+        .urls(urls)
+        .arg("fail-rate", 0.3);
+        let run = cmd.command_of(Path::new("reliability_worker"), "a-1");
+        let args: Vec<String> = run
+            .get_args()
+            .map(|a| a.to_string_lossy().into_owned())
+            .collect();
+        assert!(
+            !args
+                .iter()
+                .any(|a| a.contains("s3cret") || a.contains("://")),
+            "{args:?}"
+        );
+        let env: Vec<_> = run.get_envs().collect();
+        assert!(env.contains(&(
+            std::ffi::OsStr::new("AMQP_URL"),
+            Some(std::ffi::OsStr::new(urls))
+        )));
+        let shape = Shape {
+            url: urls.to_owned(),
+            ..Shape::default()
+        };
+        assert!(!format!("{shape:?}").contains("s3cret"));
+        let shown = format!("{cmd:?}");
+        assert!(!shown.contains("s3cret"), "{shown}");
+        assert!(shown.contains("amqp://app:***@127.0.0.1:5673"), "{shown}");
     }
 }
