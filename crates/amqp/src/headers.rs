@@ -88,7 +88,8 @@ impl RetryState {
     ///
     /// Never fails and never panics: a missing table or any malformed value gives the default
     /// for that field (attempt 0, `None` otherwise). Only integer types are accepted for
-    /// [`ATTEMPT`] and [`DELAY_MS`]; negative values, and attempts above `u32::MAX`, count as garbage.
+    /// [`ATTEMPT`] and [`DELAY_MS`]; negative values, attempts above `u32::MAX` and delays above
+    /// `i64::MAX` milliseconds (more than [`write`](Self::write) can carry) count as garbage.
     /// Exchange and routing key longer than 255 bytes are dropped, as they could not be published to;
     /// so is a [`FIRST_FAILED_AT`] longer than 64 bytes (an RFC 3339 time is about 24), and
     /// [`LAST_ERROR`] is truncated to [`LAST_ERROR_MAX_BYTES`]. Strings must be valid UTF-8.
@@ -126,7 +127,9 @@ impl RetryState {
             original_routing_key: get(ORIGINAL_ROUTING_KEY)
                 .and_then(as_string)
                 .filter(|s| s.len() <= SHORT_STRING_MAX),
-            delay: get(DELAY_MS).and_then(as_u64).map(Duration::from_millis),
+            delay: get(DELAY_MS)
+                .and_then(as_u64_long)
+                .map(Duration::from_millis),
         }
     }
 
@@ -343,7 +346,7 @@ impl DeadLetterInfo {
         Some(Self {
             reason: text(DEAD_LETTER_REASON)?,
             error: text(DEAD_LETTER_ERROR).map(|e| truncate_to(&e, DEAD_LETTER_ERROR_MAX_BYTES)),
-            attempts: get(DEAD_LETTER_ATTEMPTS).and_then(as_u64),
+            attempts: get(DEAD_LETTER_ATTEMPTS).and_then(as_u64_long),
             at: text(DEAD_LETTERED_AT).filter(|s| s.len() <= 64),
             by: text(DEAD_LETTERED_BY),
         })
@@ -460,6 +463,13 @@ fn as_u64(v: &AMQPValue) -> Option<u64> {
         AMQPValue::Timestamp(t) => Some(t),
         _ => None,
     }
+}
+
+/// [`as_u64`], at most `i64::MAX`: what a long-long int header, as this module writes numbers,
+/// can carry back. A larger value (only a `timestamp` holds one) is garbage: read, it would be
+/// written back as another number.
+fn as_u64_long(v: &AMQPValue) -> Option<u64> {
+    as_u64(v).filter(|&n| i64::try_from(n).is_ok())
 }
 
 /// Any AMQP integer type: what the broker can add 1 to.
@@ -669,5 +679,35 @@ mod tests {
         );
         let keys: Vec<&str> = copy.inner().keys().map(ShortString::as_str).collect();
         assert_eq!(keys, vec!["user", ATTEMPT]);
+    }
+
+    /// Found by `fuzz/` (target `headers`): a delay or an attempt count above `i64::MAX` (a
+    /// `timestamp` header can hold one) was read, then written back clamped to `i64::MAX`, so
+    /// a copy carried another value than the one read.
+    #[test]
+    fn numbers_a_long_long_int_cannot_carry_are_garbage() {
+        let huge = table(vec![
+            (DELAY_MS, AMQPValue::Timestamp(u64::MAX)),
+            (
+                DEAD_LETTER_REASON,
+                AMQPValue::LongString("permanent".into()),
+            ),
+            (DEAD_LETTER_ATTEMPTS, AMQPValue::Timestamp(1 << 63)),
+        ]);
+        let state = RetryState::read(Some(&huge));
+        assert_eq!(state.delay, None);
+        let info = DeadLetterInfo::read(Some(&huge)).unwrap();
+        assert_eq!(info.attempts, None);
+        let (mut again, mut info_again) = (huge.clone(), huge.clone());
+        state.write(&mut again);
+        info.write(&mut info_again);
+        assert_eq!(RetryState::read(Some(&again)), state);
+        assert_eq!(DeadLetterInfo::read(Some(&info_again)), Some(info));
+        // The largest value a long-long int carries is read as it is.
+        let max = table(vec![(DELAY_MS, AMQPValue::Timestamp(i64::MAX as u64))]);
+        assert_eq!(
+            RetryState::read(Some(&max)).delay,
+            Some(Duration::from_millis(i64::MAX as u64))
+        );
     }
 }
