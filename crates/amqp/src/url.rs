@@ -62,18 +62,67 @@ fn starts_url(s: &str) -> bool {
 /// Splits a `;`-separated list of URLs. Only a `;` followed by a URL (`amqp:`, `amqps:`, or any
 /// scheme with `//`), by more `;` or by nothing separates: one inside a password stays in its URL
 /// (so it is masked with the rest). Empty entries are the caller's to skip.
+///
+/// A `;` that could end a URL as well as sit inside a password is not a separator either: when
+/// an `@` follows somewhere after it and the text before it is not a whole URL (`scheme://`, a
+/// userinfo closed by `@`, a host). `amqp://app:ab;amqp://cd@host` is one URL whose password is
+/// `ab;amqp://cd` as much as two URLs: kept together, the whole stretch is masked as a password,
+/// and [`BrokerUrl::parse_list`] refuses it as [`UrlError::Ambiguous`].
+///
+/// What stays undecidable: a password written raw that holds `@`, then `;` and a scheme
+/// (`amqp://app:x@y;amqp://z@host` is a valid list of two URLs, and read so). Such a password
+/// must be percent-encoded, as it must anyway for the URL to parse.
 pub fn split_list(raw: &str) -> Vec<&str> {
     let mut parts = Vec::new();
     let mut from = 0;
     for (i, _) in raw.match_indices(';') {
         let rest = raw[i + 1..].trim_start_matches(|c: char| c == ';' || c.is_whitespace());
-        if rest.is_empty() || starts_url(rest) {
+        let ambiguous = !whole_url(&raw[from..i]) && raw[i + 1..].contains('@');
+        if rest.is_empty() || (starts_url(rest) && !ambiguous) {
             parts.push(&raw[from..i]);
             from = i + 1;
         }
     }
     parts.push(&raw[from..]);
     parts
+}
+
+/// Whether `piece` reads as a whole URL, not the start of one whose password goes on after a
+/// `;`: `scheme://`, then no `user:` left open (a `:` without a later `@`), and a host after the
+/// last `@`. A URL without `//` (`amqp:app:pw@host`) never parses, so it is never taken as
+/// whole: masking too much of a broken list is the safe side.
+fn whole_url(piece: &str) -> bool {
+    let piece = piece.trim();
+    let Some(n) = scheme_len(piece) else {
+        return piece.is_empty();
+    };
+    if !piece[n + 1..].starts_with("//") {
+        return false;
+    }
+    let rest = &piece[n + 3..];
+    match rest.rfind('@') {
+        Some(at) => !rest[at + 1..].trim().is_empty(),
+        // `host:port` is not: the port may be the start of a password (which matters only when
+        // an `@` follows, the caller's check).
+        None => !rest.contains(':'),
+    }
+}
+
+/// Where the userinfo would start in `url`: after its scheme (and `//`, when present:
+/// `amqp:app:pw@host` is masked too), else after the first `://` (a URL in quotes, or with a
+/// stray character before it), else at the start: text that is not a URL must still lose what
+/// could be a password.
+fn userinfo_start(url: &str) -> usize {
+    let lead = url.len() - url.trim_start().len();
+    if let Some(n) = scheme_len(&url[lead..]) {
+        let after = lead + n + 1;
+        return if url[after..].starts_with("//") {
+            after + 2
+        } else {
+            after
+        };
+    }
+    url.find("://").map_or(0, |i| i + 3)
 }
 
 fn redact_one(url: &str) -> String {
@@ -86,16 +135,17 @@ fn redact_one(url: &str) -> String {
 /// Byte range of the password in a URL as written: from the first `:` after the scheme (and its
 /// `//`, when present) to the last `@`. Taking the last `@` of the whole URL, not of a
 /// well-formed authority, masks too much rather than too little when the password holds a raw
-/// `/`, `?`, `#` or `@`.
+/// `/`, `?`, `#`, `@` or `://`. Text that does not start with a scheme (a URL in quotes, a
+/// stray character before it) is read from its first `://`, or from its start.
 fn password_range(url: &str) -> Option<(usize, usize)> {
-    let lead = url.len() - url.trim_start().len();
-    let mut start = lead + scheme_len(&url[lead..])? + 1;
-    if url[start..].starts_with("//") {
-        start += 2;
+    let start = userinfo_start(url);
+    let at = start + url[start..].rfind('@')?;
+    match url[start..at].find(':') {
+        Some(colon) => Some((start + colon + 1, at)),
+        // `app:pw@host`: what looked like a scheme without `//` is the user.
+        None if start > 0 && !url[..start].ends_with("//") => Some((start, at)),
+        None => None,
     }
-    let at = url[start..].rfind('@')?;
-    let colon = url[start..start + at].find(':')?;
-    Some((start + colon + 1, start + at))
 }
 
 /// Every form in which the passwords of `url` (one or several, `;`-separated) could appear in a
@@ -145,6 +195,26 @@ pub enum UrlError {
     /// An `amqps://` URL in a build without TLS support.
     #[error("'{redacted}' asks for TLS (amqps://), but this build has no TLS support: enable the `tls` feature of redeliver (on by default), or use amqp:// on a trusted network")]
     TlsDisabled {
+        /// The URL, password masked.
+        redacted: String,
+    },
+    /// A list that mixes `amqps://` and `amqp://` URLs: if the TLS node could not be reached
+    /// (or were made unreachable), the next URL would carry the password in clear text.
+    #[error("'{redacted}' mixes amqps:// and amqp:// URLs: whoever can make the TLS node unreachable would get the password in clear text from the next one; use amqps:// for every URL (or amqp:// for every URL on a trusted network)")]
+    MixedTls {
+        /// The list, passwords masked.
+        redacted: String,
+    },
+    /// A `;` in a list that may separate two URLs or belong to a password.
+    #[error("'{redacted}' can be read as one URL whose password holds `;` or as several URLs; percent-encode a `;` in a password as %3B (and `@` as %40, `:` as %3A), or give every URL of the list its user")]
+    Ambiguous {
+        /// The text, with every possible password masked.
+        redacted: String,
+    },
+    /// A password (from a password file) is to be put into a URL that has no user: refused,
+    /// rather than logging in as the default user `guest`.
+    #[error("'{redacted}' has no user to go with the password from the password file; write the user into the URL: amqp://USER@HOST:PORT/VHOST")]
+    NoUser {
         /// The URL, password masked.
         redacted: String,
     },
@@ -209,19 +279,34 @@ impl BrokerUrl {
 
     /// Several URLs separated by `;` (Celery's `broker_url` syntax; a comma can appear in a
     /// password), blanks around them and empty entries ignored. At least one is required.
+    ///
+    /// Refused: a list that mixes `amqps://` and `amqp://` ([`UrlError::MixedTls`], see
+    /// [`check_list`]), and a `;` that may belong to a password ([`UrlError::Ambiguous`], see
+    /// [`split_list`]).
     pub fn parse_list(raw: &str) -> Result<Vec<Self>, UrlError> {
-        let urls = split_list(raw)
+        let entries: Vec<&str> = split_list(raw)
             .into_iter()
             .map(str::trim)
             .filter(|s| !s.is_empty())
-            .map(Self::parse)
-            .collect::<Result<Vec<_>, _>>()?;
-        if urls.is_empty() {
+            .collect();
+        if entries.is_empty() {
             return Err(UrlError::Invalid {
                 redacted: String::new(),
                 reason: "empty".into(),
             });
         }
+        // Checked before any entry is parsed: a parse error would show the ambiguous entry
+        // redacted one way, and the user may have meant the other.
+        if entries.iter().any(|e| has_separator_inside(e)) {
+            return Err(UrlError::Ambiguous {
+                redacted: redact(raw.trim()),
+            });
+        }
+        let urls = entries
+            .into_iter()
+            .map(Self::parse)
+            .collect::<Result<Vec<_>, _>>()?;
+        check_list(&urls)?;
         Ok(urls)
     }
 
@@ -262,6 +347,37 @@ impl BrokerUrl {
     }
 }
 
+/// Whether `entry` (one entry of [`split_list`]) still holds a `;` followed by what starts a URL:
+/// [`split_list`] kept it whole because the `;` may be part of a password.
+fn has_separator_inside(entry: &str) -> bool {
+    entry.match_indices(';').any(|(i, _)| {
+        starts_url(entry[i + 1..].trim_start_matches(|c: char| c == ';' || c.is_whitespace()))
+    })
+}
+
+/// Refuses a list of URLs that mixes `amqps://` and `amqp://` ([`UrlError::MixedTls`]): the
+/// worker goes on with the next URL when one cannot be reached, so whoever can block the TLS
+/// node would receive the password, in clear text, from the plain one.
+///
+/// ```
+/// use redeliver_amqp::url::{check_list, BrokerUrl};
+/// let plain = BrokerUrl::parse("amqp://app:pw@rabbit-1/%2f").unwrap();
+/// assert!(check_list(&[plain.clone(), plain]).is_ok());
+/// ```
+pub fn check_list(urls: &[BrokerUrl]) -> Result<(), UrlError> {
+    let tls = urls.iter().filter(|u| u.is_tls()).count();
+    if tls == 0 || tls == urls.len() {
+        return Ok(());
+    }
+    Err(UrlError::MixedTls {
+        redacted: urls
+            .iter()
+            .map(BrokerUrl::redacted)
+            .collect::<Vec<_>>()
+            .join(";"),
+    })
+}
+
 /// Reads a secret or a URL from a file (a Kubernetes secret mounted as a file): the contents
 /// without the trailing newline.
 pub fn read_secret_file(what: &'static str, path: &Path) -> Result<String, UrlError> {
@@ -276,7 +392,13 @@ pub fn read_secret_file(what: &'static str, path: &Path) -> Result<String, UrlEr
 
 /// `url` (one or several, `;`-separated) with `password` put in each URL's userinfo,
 /// percent-encoded, replacing any password there. Used for `AMQP_PASSWORD_FILE`.
-pub fn with_password(url: &str, password: &str) -> String {
+///
+/// # Errors
+///
+/// [`UrlError::NoUser`] for a URL without a user (`amqp://rabbit/%2f`, `amqp://:old@rabbit`):
+/// the broker would be asked to log in the default user `guest` with the file's password, which
+/// is never what the file was meant for.
+pub fn with_password(url: &str, password: &str) -> Result<String, UrlError> {
     use percent_encoding::{utf8_percent_encode, AsciiSet, NON_ALPHANUMERIC};
     // Unreserved characters stay as they are (RFC 3986), everything else is encoded.
     const USERINFO: &AsciiSet = &NON_ALPHANUMERIC
@@ -285,27 +407,40 @@ pub fn with_password(url: &str, password: &str) -> String {
         .remove(b'_')
         .remove(b'~');
     let encoded = utf8_percent_encode(password, USERINFO).to_string();
+    let no_user = |one: &str| UrlError::NoUser {
+        redacted: redact(one),
+    };
     split_list(url)
         .into_iter()
+        .map(str::trim)
+        .filter(|one| !one.is_empty())
         .map(|one| {
-            let one = one.trim();
+            let start = userinfo_start(one);
             if let Some((s, e)) = password_range(one) {
-                return format!("{}{encoded}{}", &one[..s], &one[e..]);
+                // The user is what precedes the password's `:`.
+                if one
+                    .get(start..s - 1)
+                    .is_none_or(|user| user.trim().is_empty())
+                {
+                    return Err(no_user(one));
+                }
+                return Ok(format!("{}{encoded}{}", &one[..s], &one[e..]));
             }
             // No password yet: after `user` in `scheme://user@host`.
-            let Some(start) = one.find("://").map(|i| i + 3) else {
-                return one.to_owned();
-            };
             let end = one[start..]
                 .find(['/', '?', '#'])
                 .map_or(one.len(), |i| start + i);
             match one[start..end].rfind('@') {
-                Some(at) => format!("{}:{encoded}{}", &one[..start + at], &one[start + at..]),
-                None => one.to_owned(),
+                Some(at) if at > 0 => Ok(format!(
+                    "{}:{encoded}{}",
+                    &one[..start + at],
+                    &one[start + at..]
+                )),
+                _ => Err(no_user(one)),
             }
         })
-        .collect::<Vec<_>>()
-        .join(";")
+        .collect::<Result<Vec<_>, _>>()
+        .map(|urls| urls.join(";"))
 }
 
 #[cfg(test)]
@@ -356,7 +491,15 @@ mod tests {
     fn secrets_in_both_spellings() {
         assert_eq!(secrets_of("amqp://u:p%40ss@h"), ["p%40ss", "p@ss"]);
         assert_eq!(secrets_of("amqp://u@h"), Vec::<String>::new());
-        assert_eq!(secrets_of("amqp:u:pw@h;amqp://v:other@h"), ["other", "pw"]);
+        assert_eq!(
+            secrets_of("amqp://u:pw@h;amqp://v:other@h"),
+            ["other", "pw"]
+        );
+        // A URL without `//` never parses: what follows it may be its password, masked whole.
+        assert_eq!(
+            secrets_of("amqp:u:pw@h;amqp://v:other@h"),
+            ["pw@h;amqp://v:other"]
+        );
     }
 
     #[test]
@@ -396,11 +539,120 @@ mod tests {
         assert_eq!(l.len(), 2);
         assert!(BrokerUrl::parse_list(" ; ").is_err());
         assert_eq!(
-            with_password("amqp://app@h/%2f", "s3:c@t"),
+            with_password("amqp://app@h/%2f", "s3:c@t").unwrap(),
             "amqp://app:s3%3Ac%40t@h/%2f"
         );
-        assert_eq!(with_password("amqp://app:old@h", "new"), "amqp://app:new@h");
-        let url = BrokerUrl::parse(&with_password("amqp://app@h/%2f", "s3:c@t")).unwrap();
+        assert_eq!(
+            with_password("amqp://app:old@h", "new").unwrap(),
+            "amqp://app:new@h"
+        );
+        let url = BrokerUrl::parse(&with_password("amqp://app@h/%2f", "s3:c@t").unwrap()).unwrap();
         assert_eq!(url.uri().authority.userinfo.password, "s3:c@t");
+    }
+
+    #[test]
+    fn a_list_mixing_tls_and_plain_is_refused() {
+        for raw in [
+            "amqps://app:tls-secret-1@r0:5671/%2f;amqp://app:tls-secret-1@r1:5672/%2f",
+            "amqp://app:tls-secret-1@r0/%2f ; amqps://app:tls-secret-1@r1/%2f",
+        ] {
+            let e = BrokerUrl::parse_list(raw).unwrap_err();
+            if TLS_ENABLED {
+                assert!(matches!(e, UrlError::MixedTls { .. }), "{raw}: {e}");
+                assert!(e.to_string().contains("clear text"), "{e}");
+            }
+            assert!(!format!("{e} {e:?}").contains("tls-secret"), "{e:?}");
+        }
+        assert_eq!(
+            BrokerUrl::parse_list("amqp://a@r0;amqp://a@r1")
+                .unwrap()
+                .len(),
+            2
+        );
+        if TLS_ENABLED {
+            assert_eq!(
+                BrokerUrl::parse_list("amqps://a@r0;amqps://a@r1")
+                    .unwrap()
+                    .len(),
+                2
+            );
+        }
+    }
+
+    #[test]
+    fn a_semicolon_that_may_be_in_a_password_is_masked_and_refused() {
+        // Read as two URLs, the first would show `pw-first` as a port; read as one, it is the
+        // start of the password `pw-first;amqp://pw-second`.
+        let raw = "amqp://app:pw-first;amqp://pw-second@rabbit/%2f";
+        assert_eq!(split_list(raw), [raw]);
+        assert_eq!(redact(raw), "amqp://app:***@rabbit/%2f");
+        let e = BrokerUrl::parse_list(raw).unwrap_err();
+        assert!(matches!(e, UrlError::Ambiguous { .. }), "{e}");
+        assert!(!format!("{e} {e:?}").contains("pw-"), "{e}");
+        // Same with a port, which a first URL without a user could have.
+        let raw = "amqp://app:5672;amqp://u:pw-x@rabbit";
+        assert_eq!(redact(raw), "amqp://app:***@rabbit");
+        assert!(matches!(
+            BrokerUrl::parse_list(raw),
+            Err(UrlError::Ambiguous { .. })
+        ));
+        // Lists where every URL has its user, or none has one, are not ambiguous.
+        assert_eq!(
+            split_list("amqp://h0:5672/%2f;amqp://h1:5672/%2f"),
+            ["amqp://h0:5672/%2f", "amqp://h1:5672/%2f"]
+        );
+        assert_eq!(
+            BrokerUrl::parse_list("amqp://u:p0@h0:5672/%2f;amqp://u:p1@h1:5672/%2f")
+                .unwrap()
+                .len(),
+            2
+        );
+        // Percent-encoded, the `;` is no longer a question.
+        let one = BrokerUrl::parse_list("amqp://app:pw%3Bamqp%3A%2F%2Fx@rabbit/%2f").unwrap();
+        assert_eq!(one[0].uri().authority.userinfo.password, "pw;amqp://x");
+    }
+
+    #[test]
+    fn urls_that_do_not_start_with_their_scheme_are_redacted_too() {
+        for (raw, shown) in [
+            (
+                "'amqp://app:quoted-pw@rabbit/%2f'",
+                "'amqp://app:***@rabbit/%2f'",
+            ),
+            (
+                "\"amqp://app:quoted-pw@rabbit\"",
+                "\"amqp://app:***@rabbit\"",
+            ),
+            ("x amqp://app:quoted-pw@rabbit", "x amqp://app:***@rabbit"),
+            ("app:quoted-pw@rabbit", "app:***@rabbit"),
+            (
+                "\u{fffd}amqp://app:quoted-pw@rabbit",
+                "\u{fffd}amqp://app:***@rabbit",
+            ),
+        ] {
+            assert_eq!(redact(raw), shown, "{raw}");
+            let e = BrokerUrl::parse(raw).unwrap_err();
+            assert!(!format!("{e} {e:?}").contains("quoted-pw"), "{e}");
+        }
+    }
+
+    #[test]
+    fn a_password_file_needs_a_user_in_the_url() {
+        for raw in [
+            "amqp://rabbit:5672/%2f",
+            "amqp://rabbit",
+            "amqp://@rabbit/%2f",
+            "amqp://:old-pw@rabbit/%2f",
+            "amqp://app@r0/%2f;amqp://r1/%2f",
+        ] {
+            let e = with_password(raw, "file-pw").unwrap_err();
+            assert!(matches!(e, UrlError::NoUser { .. }), "{raw}: {e}");
+            assert!(!format!("{e} {e:?}").contains("old-pw"), "{e}");
+            assert!(!format!("{e} {e:?}").contains("file-pw"), "{e}");
+        }
+        assert_eq!(
+            with_password("amqp://app@r0/%2f;amqp://app:old@r1/%2f", "p;w").unwrap(),
+            "amqp://app:p%3Bw@r0/%2f;amqp://app:p%3Bw@r1/%2f"
+        );
     }
 }

@@ -22,9 +22,13 @@ pub(crate) fn broker_url(cli: &Cli) -> Result<BrokerUrl, UsageError> {
     };
     if let Some(path) = &cli.password_file {
         let password = url::read_secret_file("the broker password", path).map_err(usage)?;
-        raw = url::with_password(&raw, &password);
+        raw = url::with_password(&raw, &password).map_err(usage)?;
     }
-    BrokerUrl::parse(&raw).map_err(usage)
+    // The same list syntax as the worker's AMQP_URL (one environment serves both), with its
+    // checks: no list mixing amqps:// and amqp://, no `;` that may belong to a password. A
+    // command talks to one broker: the first URL, as the worker's first choice.
+    let mut urls = BrokerUrl::parse_list(&raw).map_err(usage)?;
+    Ok(urls.swap_remove(0))
 }
 
 /// The TLS settings the arguments name.

@@ -78,7 +78,7 @@ pub fn management(base: &str, authorization: &str) -> Result<(), String> {
 
 /// The broker the TLS tests use: its amqps and plain endpoints, its management API, and the
 /// directory of its test certificates.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct Tls {
     /// `amqps://guest:guest@localhost:PORT/%2f` (the server certificate names `localhost` only).
     pub url: String,
@@ -90,6 +90,18 @@ pub struct Tls {
     /// broker's certificate does not chain to), `other-client.pem`/`.key` (a client certificate
     /// of that other CA), and the broker's `server.pem`/`.key`.
     pub dir: PathBuf,
+}
+
+/// With the URLs' passwords masked.
+impl std::fmt::Debug for Tls {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Tls")
+            .field("url", &crate::redact(&self.url))
+            .field("amqp_url", &crate::redact(&self.amqp_url))
+            .field("mgmt_url", &crate::redact(&self.mgmt_url))
+            .field("dir", &self.dir)
+            .finish()
+    }
 }
 
 /// The TLS broker; see the [module docs](self). `AMQPS_URL` with `REDELIVER_TLS_DIR` name a
@@ -471,6 +483,19 @@ mod certificates {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn debug_hides_the_passwords() {
+        let tls = Tls {
+            url: "amqps://app:Tl5;pw@localhost:5671/%2f".into(),
+            amqp_url: "amqp://app:Tl5;pw@127.0.0.1:5672/%2f".into(),
+            mgmt_url: "http://app:Tl5;pw@127.0.0.1:15672".into(),
+            dir: "/tmp/x".into(),
+        };
+        let shown = format!("{tls:?}");
+        assert!(shown.contains("localhost:5671"), "{shown}");
+        assert!(!shown.contains("Tl5"), "{shown}");
+    }
 
     #[test]
     fn host_and_port_of_the_urls_tests_use() {

@@ -26,10 +26,20 @@ pub fn url() -> String {
 }
 
 /// The management API of one broker: its base URL and the `Authorization` header value.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct Client {
     base: String,
     auth: String,
+}
+
+/// Without the `Authorization` value: it is the password, base64-encoded.
+impl std::fmt::Debug for Client {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Client")
+            .field("base", &self.base)
+            .field("auth", &"***")
+            .finish()
+    }
 }
 
 impl Client {
@@ -395,5 +405,14 @@ mod tests {
         assert_eq!(base64(b"ab"), "YWI=");
         assert_eq!(pct("rd-1.q_~ x/y%"), "rd-1.q_~%20x%2Fy%25");
         assert_eq!(pct("a.b c/d"), "a.b%20c%2Fd");
+    }
+
+    #[test]
+    fn debug_hides_the_credentials() {
+        let c = Client::new("http://admin:s3cret@127.0.0.1:15672/");
+        let shown = format!("{c:?}");
+        assert!(shown.contains("127.0.0.1:15672"), "{shown}");
+        assert!(!shown.contains("s3cret"), "{shown}");
+        assert!(!shown.contains(&base64(b"admin:s3cret")), "{shown}");
     }
 }

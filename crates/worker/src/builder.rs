@@ -352,6 +352,8 @@ impl WorkerBuilder {
             settings.tls.check(&url)?;
             urls.push(url);
         }
+        // TLS for some nodes only would let whoever blocks them get the password in clear text.
+        redeliver_amqp::url::check_list(&urls).map_err(SettingError::Url)?;
         let mut topology = match (&settings.topology, &settings.queue) {
             (Some(t), _) => t.clone(),
             (None, Some(q)) => Topology::new(q.clone()),

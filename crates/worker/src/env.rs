@@ -3,9 +3,9 @@
 //!
 //! | variable | builder method / use | format |
 //! |---|---|---|
-//! | `AMQP_URL` | the URL of [`Worker::builder`](crate::Worker::builder), then [`failover_urls`](WorkerBuilder::failover_urls) | `amqp://user:pass@host:5672/vhost` (vhost `/` is `%2f`); several separated by `;` (as Celery's `broker_url`) |
+//! | `AMQP_URL` | the URL of [`Worker::builder`](crate::Worker::builder), then [`failover_urls`](WorkerBuilder::failover_urls) | `amqp://user:pass@host:5672/vhost` (vhost `/` is `%2f`); several separated by `;` (as Celery's `broker_url`), all `amqps://` or all `amqp://` (a mix is refused: a blocked TLS node would make the next one get the password in clear text); a `;` in a password is written `%3B` |
 //! | `AMQP_URL_FILE` | instead of `AMQP_URL`: a file holding it (a Kubernetes secret mounted as a file) | path |
-//! | `AMQP_PASSWORD_FILE` | the password of every URL, from a file (the URL then carries none) | path |
+//! | `AMQP_PASSWORD_FILE` | the password of every URL, from a file (the URL then carries none, but names its user: without one it is an error, not a login as `guest`) | path |
 //! | `REDELIVER_TLS_CA_FILE` | [`tls`](WorkerBuilder::tls): [`TlsConfig::ca_file`](crate::TlsConfig::ca_file) | PEM file of CA certificates, trusted next to the system's |
 //! | `REDELIVER_TLS_CERT_FILE`, `REDELIVER_TLS_KEY_FILE` | [`TlsConfig::client_cert`](crate::TlsConfig::client_cert) (mutual TLS; both or neither) | PEM files |
 //! | `REDELIVER_TLS_SASL_EXTERNAL` | [`TlsConfig::sasl_external`](crate::TlsConfig::sasl_external) | `true`/`false` |
@@ -349,7 +349,7 @@ impl WorkerBuilder {
             (None, None) => (AMQP_URL, None),
         };
         if let Some(path) = var(AMQP_PASSWORD_FILE)? {
-            let password = file(AMQP_PASSWORD_FILE, "the broker password", path)?;
+            let password = file(AMQP_PASSWORD_FILE, "the broker password", path.clone())?;
             let base = match urls {
                 Some(u) => u,
                 None => std::iter::once(s.url.as_str())
@@ -357,7 +357,10 @@ impl WorkerBuilder {
                     .collect::<Vec<_>>()
                     .join(";"),
             };
-            urls = Some(url::with_password(&base, &password));
+            // A URL without a user is an error, not a login as `guest`.
+            let with = url::with_password(&base, &password)
+                .map_err(|e| ConfigError::new(AMQP_PASSWORD_FILE, &path, e.to_string()))?;
+            urls = Some(with);
         }
         if let Some(value) = urls {
             // Parsing refuses amqps:// in a build without TLS, and never echoes a password.
@@ -488,11 +491,17 @@ fn process_env(name: &'static str) -> Result<Option<String>, ConfigError> {
     match std::env::var(name) {
         Ok(v) => Ok(Some(v)),
         Err(std::env::VarError::NotPresent) => Ok(None),
-        Err(std::env::VarError::NotUnicode(raw)) => Err(ConfigError::new(
-            name,
-            &raw.to_string_lossy(),
-            "not valid Unicode",
-        )),
+        Err(std::env::VarError::NotUnicode(raw)) => {
+            let lossy = raw.to_string_lossy();
+            // A URL's password is masked here as everywhere: the rest of the value still helps
+            // to find the bad byte.
+            let shown = if name == AMQP_URL {
+                url::redact(&lossy)
+            } else {
+                lossy.into_owned()
+            };
+            Err(ConfigError::new(name, &shown, "not valid Unicode"))
+        }
     }
 }
 
@@ -764,6 +773,30 @@ mod tests {
             .settings()
             .clone();
         assert!(s.url().contains("app:s3cret@rabbit"), "{}", s.url());
+        // A URL without a user would log in as `guest` with the file's password: an error.
+        for url in ["amqp://rabbit:5672/%2f", "amqp://app@r0/%2f;amqp://r1/%2f"] {
+            let err = cfg(&[
+                (AMQP_URL, url),
+                (AMQP_PASSWORD_FILE, file.to_str().unwrap()),
+            ])
+            .unwrap_err();
+            assert_eq!(err.var(), AMQP_PASSWORD_FILE);
+            assert_eq!(err.value(), file.to_str().unwrap());
+            assert!(err.to_string().contains("no user"), "{err}");
+            assert!(!format!("{err} {err:?}").contains("s3cret"), "{err}");
+        }
         let _ = std::fs::remove_dir_all(dir);
+    }
+
+    #[test]
+    fn a_list_mixing_tls_and_plain_is_refused() {
+        let err = cfg(&[(
+            AMQP_URL,
+            "amqps://u:hunter2@rabbit-0:5671/%2f;amqp://u:hunter2@rabbit-1:5672/%2f",
+        )])
+        .unwrap_err();
+        assert_eq!(err.var(), AMQP_URL);
+        assert!(err.to_string().contains("clear text"), "{err}");
+        assert!(!format!("{err} {err:?}").contains("hunter2"), "{err}");
     }
 }
