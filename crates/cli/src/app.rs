@@ -187,7 +187,7 @@ async fn topology_cmd(t: TopologyCmd, conn: &lapin::Connection) -> anyhow::Resul
                 bindings: Vec::new(),
                 delay: d.delay,
             };
-            topology::delete(conn, &a, d.include_delay, d.json).await
+            topology::delete(conn, &a, d.include_delay, d.force, d.json).await
         }
     }
 }

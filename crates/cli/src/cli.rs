@@ -224,9 +224,17 @@ report a mismatch.\n\n--json prints {{\"objects\": [{{\"kind\", \"name\", \"exis
     /// Delete Q, Q.dlx and Q.dlq (and, with --include-delay, the shared delay infrastructure)
     #[command(long_about = format!("Delete Q, Q.dlx and Q.dlq, and with --include-delay the \
 delay levels, deliver exchange and unroutable parking queue of the prefix (shared by every \
-consumer that uses it). Requires --yes: deleting a queue destroys its messages.\n\n--json \
-prints {{\"deleted\": true, \"queue\", \"dlx\", \"dlq\", \"delay_deleted\", \"delay\" \
-(as in `topology declare --json`, null without --include-delay)}}. {JSON_OUTPUT}"))]
+consumer that uses it). Requires --yes: deleting a queue destroys its messages.\n\nThe delay \
+level queues hold other services' retries (their originals are already acknowledged) and the \
+unroutable queue holds parked messages: with --include-delay, if any of them holds messages \
+nothing is deleted and the command fails (exit code 2) naming them, unless --force is given. \
+Queues found empty are deleted only once nothing can reach them any more, so a retry that \
+arrives meanwhile is not destroyed either.\n\n--json prints {{\"deleted\": true, \"queue\", \
+\"dlx\", \"dlq\", \"delay_deleted\", \"delay\" (as in `topology declare --json`, null \
+without --include-delay), \"discarded\": [{{\"queue\", \"messages\"}}] (delay queues \
+deleted with their messages by --force)}}; a refusal prints {{\"deleted\": false, \
+\"refused\": true, \"non_empty\": [{{\"queue\", \"messages\"}}], \"already_deleted\": \
+[queue names], \"error\"}} before failing. {JSON_OUTPUT}"))]
     Delete(DeleteArgs),
 }
 
@@ -297,6 +305,10 @@ pub(crate) struct DeleteArgs {
     /// Confirm: deleting queues destroys their messages
     #[arg(long)]
     pub yes: bool,
+    /// With --include-delay: delete the delay queues even when they hold messages (other
+    /// services' pending retries and parked messages are lost)
+    #[arg(long, requires = "include_delay")]
+    pub force: bool,
     /// Print JSON instead of text (one document on stdout; keys in the long help)
     #[arg(long)]
     pub json: bool,

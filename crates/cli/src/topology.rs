@@ -1,9 +1,12 @@
 //! `topology declare|verify|show|delete`.
 
 use anyhow::Context as _;
-use lapin::options::ExchangeDeclareOptions;
+use lapin::options::{
+    ExchangeDeclareOptions, ExchangeDeleteOptions, QueueBindOptions, QueueDeclareOptions,
+    QueueDeleteOptions,
+};
 use lapin::types::FieldTable;
-use lapin::{Connection, ExchangeKind};
+use lapin::{Channel, Connection, ExchangeKind};
 use redeliver_amqp::DelayConfig;
 use redeliver_amqp::{QueueType, Topology};
 use serde::Serialize;
@@ -11,6 +14,7 @@ use serde_json::Value;
 
 use crate::browse;
 use crate::cli::{DelayArgs, TopologyArgs};
+use crate::errors::UsageError;
 use crate::output::{self, table_json, Table};
 
 /// The delay configuration the flags describe.
@@ -137,6 +141,74 @@ struct Deleted {
     delay_deleted: bool,
     /// The delay infrastructure deleted with --include-delay, else null.
     delay: Option<DelayJson>,
+    /// Delay queues deleted with their messages (--force), and how many each held.
+    discarded: Vec<QueueCount>,
+}
+
+/// A delay queue and the messages it held.
+#[derive(Clone, Debug, Serialize)]
+struct QueueCount {
+    queue: String,
+    messages: u32,
+}
+
+impl QueueCount {
+    fn list(v: &[QueueCount]) -> String {
+        v.iter()
+            .map(|c| format!("'{}' ({} message(s))", c.queue, c.messages))
+            .collect::<Vec<_>>()
+            .join(", ")
+    }
+}
+
+/// What `delete --include-delay --json` prints when delay queues hold messages and --force was
+/// not given, before it fails.
+#[derive(Debug, Serialize)]
+struct Refused {
+    deleted: bool,
+    refused: bool,
+    queue: String,
+    dlx: String,
+    dlq: String,
+    /// The delay queues that hold messages: none of them was deleted.
+    non_empty: Vec<QueueCount>,
+    /// Empty delay queues deleted before a queue that had meanwhile received messages was
+    /// found (only when messages arrived during the command); nothing else was deleted.
+    already_deleted: Vec<String>,
+    error: String,
+}
+
+/// Why the delay infrastructure was not deleted: queues that hold messages.
+#[derive(Debug)]
+struct Refusal {
+    non_empty: Vec<QueueCount>,
+    already_deleted: Vec<String>,
+}
+
+impl Refusal {
+    fn message(&self, a: &TopologyArgs) -> String {
+        let done = if self.already_deleted.is_empty() {
+            "nothing was deleted".to_owned()
+        } else {
+            format!(
+                "messages arrived while deleting: only the empty queues {} were deleted, nothing \
+                 else",
+                self.already_deleted
+                    .iter()
+                    .map(|q| format!("'{q}'"))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            )
+        };
+        format!(
+            "refusing to delete {}: {} hold messages (other services' pending retries, whose \
+             originals are already acknowledged, or parked messages); {done}. Wait until they \
+             are empty (`redeliver topology show` counts them; `redeliver unroutable replay` \
+             moves parked ones), or add --force to delete them with their messages",
+            describe_delay(a),
+            QueueCount::list(&self.non_empty)
+        )
+    }
 }
 
 pub(crate) async fn declare(conn: &Connection, a: &TopologyArgs, json: bool) -> anyhow::Result<()> {
@@ -189,18 +261,24 @@ pub(crate) async fn delete(
     conn: &Connection,
     a: &TopologyArgs,
     include_delay: bool,
+    force: bool,
     json: bool,
 ) -> anyhow::Result<()> {
     let t = topology(a);
+    let mut discarded = Vec::new();
+    // The delay infrastructure goes first: when it is refused, Q's own objects stay too.
+    if include_delay {
+        let outcome = delete_delay(conn, t.delay_config(), force)
+            .await
+            .context("cannot delete the delay infrastructure")?;
+        match outcome {
+            Ok(gone) => discarded = gone,
+            Err(refusal) => return refuse(a, &t, &refusal, json),
+        }
+    }
     t.delete(conn)
         .await
         .with_context(|| format!("cannot delete the topology of '{}'", t.queue_name()))?;
-    if include_delay {
-        t.delay_config()
-            .delete(conn)
-            .await
-            .context("cannot delete the delay infrastructure")?;
-    }
     if json {
         let v = Deleted {
             deleted: true,
@@ -209,6 +287,7 @@ pub(crate) async fn delete(
             dlq: t.dlq_name(),
             delay_deleted: include_delay,
             delay: include_delay.then(|| DelayJson::new(a)),
+            discarded,
         };
         return output::print_json(&v, "the result");
     }
@@ -221,7 +300,298 @@ pub(crate) async fn delete(
     if include_delay {
         println!("deleted {}", describe_delay(a));
     }
+    if !discarded.is_empty() {
+        println!(
+            "--force: deleted with their messages: {}",
+            QueueCount::list(&discarded)
+        );
+    }
     Ok(())
+}
+
+/// Reports a refusal (as JSON on stdout with --json) and fails with exit code 2, as the other
+/// "confirm with a flag" refusals do: nothing is wrong with the broker, the command needs
+/// --force.
+fn refuse(a: &TopologyArgs, t: &Topology, r: &Refusal, json: bool) -> anyhow::Result<()> {
+    let message = r.message(a);
+    if json {
+        let v = Refused {
+            deleted: false,
+            refused: true,
+            queue: t.queue_name(),
+            dlx: t.dlx_name(),
+            dlq: t.dlq_name(),
+            non_empty: r.non_empty.clone(),
+            already_deleted: r.already_deleted.clone(),
+            error: message.clone(),
+        };
+        output::print_json(&v, "the result")?;
+    }
+    Err(anyhow::Error::new(UsageError(message)))
+}
+
+/// The delay queues that may hold messages: the levels, top down, then the parking queue.
+fn delay_queues(cfg: &DelayConfig) -> Vec<String> {
+    let mut v: Vec<String> = (0..cfg.configured_levels())
+        .rev()
+        .map(|k| cfg.level_name(k))
+        .collect();
+    v.push(cfg.unroutable_name());
+    v
+}
+
+/// Deletes the delay infrastructure. With `force`, everything goes and the queues that held
+/// messages are returned. Without it, nothing goes if any delay queue holds messages, and a
+/// queue is only deleted once nothing can reach it any more and it was found empty then.
+///
+/// The broker cannot do that check for us: `queue.delete` with `if-empty` is refused on
+/// quorum queues (the default level type and always the parking queue's) by 3.10.8, 4.0.5 and
+/// 4.3.6 alike ("not supported by quorum queues", NOT_IMPLEMENTED, which closes the whole
+/// connection over AMQP), and the CLI cannot tell a level queue's type. So the way in is closed
+/// first: a level queue receives only through its exchange's binding, which is removed before
+/// the queue is counted again; a retry routed there meanwhile goes to the alternate exchange,
+/// the parking queue. The parking queue is counted again after every exchange that could route
+/// to it is gone.
+async fn delete_delay(
+    conn: &Connection,
+    cfg: &DelayConfig,
+    force: bool,
+) -> anyhow::Result<Result<Vec<QueueCount>, Refusal>> {
+    let mut ops = Ops::new(conn);
+    // Count everything first, so a refusal changes nothing.
+    let mut held = Vec::new();
+    for q in delay_queues(cfg) {
+        if let Some(n) = ops.count(&q).await? {
+            if n > 0 {
+                held.push(QueueCount {
+                    queue: q,
+                    messages: n,
+                });
+            }
+        }
+    }
+    if !held.is_empty() && !force {
+        ops.close().await;
+        return Ok(Err(Refusal {
+            non_empty: held,
+            already_deleted: Vec::new(),
+        }));
+    }
+    if force {
+        let mut discarded = Vec::new();
+        for k in (0..cfg.configured_levels()).rev() {
+            let name = cfg.level_name(k);
+            if let Some(n) = ops.delete_queue(&name).await? {
+                if n > 0 {
+                    discarded.push(QueueCount {
+                        queue: name.clone(),
+                        messages: n,
+                    });
+                }
+            }
+            ops.delete_exchange(&name).await?;
+        }
+        ops.delete_exchange(&cfg.deliver_exchange()).await?;
+        let parking = cfg.unroutable_name();
+        if let Some(n) = ops.delete_queue(&parking).await? {
+            if n > 0 {
+                discarded.push(QueueCount {
+                    queue: parking.clone(),
+                    messages: n,
+                });
+            }
+        }
+        ops.delete_exchange(&parking).await?;
+        ops.delete_exchange(&cfg.settings_name()).await?;
+        ops.close().await;
+        return Ok(Ok(discarded));
+    }
+    let mut deleted = Vec::new();
+    for k in (0..cfg.configured_levels()).rev() {
+        let name = cfg.level_name(k);
+        let key = cfg.level_binding_key(k, true);
+        ops.unbind(&name, &name, &key).await?;
+        match ops.count(&name).await? {
+            None => {}
+            Some(0) => {
+                ops.delete_queue(&name).await?;
+                deleted.push(name);
+            }
+            Some(n) => {
+                // Put the way in back: the queue stays as it was.
+                ops.bind(&name, &name, &key).await.with_context(|| {
+                    format!(
+                        "'{name}' received {n} message(s) while deleting and was kept, but \
+                         binding it to its exchange again failed: declare the delay \
+                         infrastructure again (`redeliver topology declare`)"
+                    )
+                })?;
+                ops.close().await;
+                return Ok(Err(Refusal {
+                    non_empty: vec![QueueCount {
+                        queue: name,
+                        messages: n,
+                    }],
+                    already_deleted: deleted,
+                }));
+            }
+        }
+    }
+    // No level queue is left, so nothing is waiting to expire into these exchanges; a retry
+    // published from now on fails at its publisher (404) instead of vanishing.
+    for k in (0..cfg.configured_levels()).rev() {
+        ops.delete_exchange(&cfg.level_name(k)).await?;
+    }
+    ops.delete_exchange(&cfg.deliver_exchange()).await?;
+    let parking = cfg.unroutable_name();
+    // Last, the exchange that leads to the parking queue: every exchange naming it as its
+    // alternate is gone, so nothing can reach the queue when it is counted again.
+    ops.delete_exchange(&parking).await?;
+    ops.delete_exchange(&cfg.settings_name()).await?;
+    let result = match ops.count(&parking).await? {
+        Some(n) if n > 0 => Err(Refusal {
+            non_empty: vec![QueueCount {
+                queue: parking,
+                messages: n,
+            }],
+            already_deleted: deleted,
+        }),
+        Some(_) => {
+            ops.delete_queue(&parking).await?;
+            Ok(Vec::new())
+        }
+        None => Ok(Vec::new()),
+    };
+    ops.close().await;
+    Ok(result)
+}
+
+/// One channel for a series of operations, opened again after an error closed it (a 404 closes
+/// the channel it happened on).
+struct Ops<'a> {
+    conn: &'a Connection,
+    channel: Option<Channel>,
+}
+
+impl<'a> Ops<'a> {
+    fn new(conn: &'a Connection) -> Self {
+        Self {
+            conn,
+            channel: None,
+        }
+    }
+
+    async fn channel(&mut self) -> anyhow::Result<Channel> {
+        match &self.channel {
+            Some(ch) if ch.status().connected() => Ok(ch.clone()),
+            _ => {
+                let ch = self
+                    .conn
+                    .create_channel()
+                    .await
+                    .context("cannot open a channel")?;
+                self.channel = Some(ch.clone());
+                Ok(ch)
+            }
+        }
+    }
+
+    /// `Ok(None)` for a 404 (the channel is then reopened by the next operation).
+    fn missing_ok<T>(&mut self, r: lapin::Result<T>) -> lapin::Result<Option<T>> {
+        match r {
+            Ok(v) => Ok(Some(v)),
+            Err(e) => {
+                self.channel = None;
+                if redeliver_amqp::is_not_found(&e) {
+                    Ok(None)
+                } else {
+                    Err(e)
+                }
+            }
+        }
+    }
+
+    /// Ready messages of `queue` (a passive declare), `None` when it does not exist.
+    async fn count(&mut self, queue: &str) -> anyhow::Result<Option<u32>> {
+        let ch = self.channel().await?;
+        let r = ch
+            .queue_declare(
+                queue.into(),
+                QueueDeclareOptions {
+                    passive: true,
+                    ..QueueDeclareOptions::default()
+                },
+                FieldTable::default(),
+            )
+            .await;
+        Ok(self
+            .missing_ok(r)
+            .with_context(|| format!("cannot inspect queue '{queue}'"))?
+            .map(|q| q.message_count()))
+    }
+
+    /// Deletes `queue` with its messages; how many it held, `None` when it did not exist.
+    async fn delete_queue(&mut self, queue: &str) -> anyhow::Result<Option<u32>> {
+        let ch = self.channel().await?;
+        let r = ch
+            .queue_delete(queue.into(), QueueDeleteOptions::default())
+            .await;
+        self.missing_ok(r)
+            .with_context(|| format!("cannot delete queue '{queue}'"))
+    }
+
+    async fn delete_exchange(&mut self, exchange: &str) -> anyhow::Result<()> {
+        let ch = self.channel().await?;
+        let r = ch
+            .exchange_delete(exchange.into(), ExchangeDeleteOptions::default())
+            .await;
+        self.missing_ok(r)
+            .with_context(|| format!("cannot delete exchange '{exchange}'"))?;
+        Ok(())
+    }
+
+    /// Removes a binding; a missing queue or exchange means there is none to remove.
+    async fn unbind(&mut self, queue: &str, exchange: &str, key: &str) -> anyhow::Result<()> {
+        let ch = self.channel().await?;
+        let r = ch
+            .queue_unbind(
+                queue.into(),
+                exchange.into(),
+                key.into(),
+                FieldTable::default(),
+            )
+            .await;
+        self.missing_ok(r)
+            .with_context(|| format!("cannot unbind queue '{queue}' from exchange '{exchange}'"))?;
+        Ok(())
+    }
+
+    async fn bind(&mut self, queue: &str, exchange: &str, key: &str) -> anyhow::Result<()> {
+        let ch = self.channel().await?;
+        let r = ch
+            .queue_bind(
+                queue.into(),
+                exchange.into(),
+                key.into(),
+                QueueBindOptions::default(),
+                FieldTable::default(),
+            )
+            .await;
+        if let Err(e) = r {
+            self.channel = None;
+            return Err(anyhow::Error::new(e));
+        }
+        Ok(())
+    }
+
+    async fn close(mut self) {
+        if let Some(ch) = self.channel.take() {
+            if ch.status().connected() {
+                // Best effort: the work is done either way and the connection closes soon.
+                let _ = ch.close(200, "ok".into()).await;
+            }
+        }
+    }
 }
 
 /// One row of `topology show`.

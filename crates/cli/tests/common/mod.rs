@@ -68,7 +68,8 @@ impl Drop for Cleanup {
                 "--yes",
             ];
             if i == 0 {
-                args.push("--include-delay");
+                // --force: tests may leave retries in the levels or parked messages.
+                args.extend(["--include-delay", "--force"]);
             }
             let out = cli(&args);
             if out.code != 0 {
