@@ -290,11 +290,12 @@ impl WorkerBuilder {
         self
     }
 
-    /// How often the running worker checks that the delay infrastructure (its levels and the
-    /// parking queue of retries whose queue is gone) still exists, declares again what was
-    /// deleted (unless [`verify_only`](Self::verify_only)), and measures the parking queue
-    /// (metric `redeliver_delay_unroutable_messages`). Without the parking queue, such a retry
-    /// would be dropped.
+    /// How often the running worker checks that its topology still exists (`Q.dlx`, `Q.dlq`,
+    /// `Q`, and the delay infrastructure: its levels and the parking queue of retries whose queue
+    /// is gone), declares again what was deleted (unless [`verify_only`](Self::verify_only)),
+    /// and measures the parking queue (metric `redeliver_delay_unroutable_messages`). Without the
+    /// parking queue, such a retry would be dropped; without `Q.dlx`, the broker drops (classic
+    /// `Q`) or holds (quorum `Q`) dead letters, silently. The interval bounds that window.
     pub fn topology_check_interval(mut self, d: Duration) -> Self {
         self.settings.topology_check_interval = d;
         self

@@ -11,7 +11,7 @@ use lapin::options::{
 use lapin::types::FieldTable;
 use lapin::{Channel, Connection, ConnectionProperties, Consumer, Event};
 use redeliver_amqp::url::BrokerUrl;
-use redeliver_amqp::{DelayConfig, ServerInfo, TopologyError};
+use redeliver_amqp::{ServerInfo, Topology, TopologyError};
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, error, info, warn};
 
@@ -169,9 +169,9 @@ impl Session {
                 FieldTable::default(),
             )
             .await?;
-        let unroutable_poll = tokio::spawn(watch_delay(
+        let unroutable_poll = tokio::spawn(watch_topology(
             Arc::clone(connection),
-            delay.clone(),
+            config.topology.clone(),
             settings.verify_only,
             settings.topology_check_interval,
         ));
@@ -321,17 +321,31 @@ async fn close_connection(connection: &Connection, why: &str) {
     }
 }
 
-/// Checks, every `every`, that the delay infrastructure is still there (a deleted parking
-/// queue turns the unroutable exchange into a black hole: retries whose queue is gone would be
-/// dropped), re-declares what was deleted unless the worker only verifies, and measures the
-/// parking queue.
-async fn watch_delay(
+/// Checks, every `every`, that the topology is still there, re-declares what was deleted
+/// unless the worker only verifies, and measures the parking queue.
+///
+/// What is checked, and why each deletion matters while the worker runs:
+/// - the delay infrastructure: a deleted parking queue turns the unroutable exchange into a
+///   black hole, so retries whose queue is gone would be dropped; a deleted level drops retries;
+/// - `Q.dlx` and `Q.dlq`: the broker dead-letters into a missing exchange without telling
+///   anyone (a classic `Q` drops the message; a quorum `Q` with at-least-once dead-lettering
+///   holds it and retries only every few minutes), and with `Q.dlq` gone `Q.dlx` sends dead
+///   letters to the parking queue through its alternate exchange, out of the operator's sight.
+///
+/// A periodic passive check is the one signal that covers every case. The worker consumes `Q`,
+/// not `Q.dlq`, so no consumer-cancel notification arrives when `Q.dlq` is deleted; and
+/// `basic.reject` succeeds whether or not the dead letter was routed, so the dead-letter path
+/// itself learns nothing in the default [`DeadLetterMode::Reject`](crate::DeadLetterMode)
+/// (only an annotated publish would come back returned). The cost is one passive declare per
+/// object per interval on a channel of its own; a dead letter between a deletion and the next
+/// check can still be lost on a classic `Q`, which is what the interval bounds.
+async fn watch_topology(
     connection: Arc<Connection>,
-    delay: DelayConfig,
+    topology: Topology,
     verify_only: bool,
     every: Duration,
 ) {
-    let name = delay.unroutable_name();
+    let name = topology.delay_config().unroutable_name();
     let mut tick = tokio::time::interval(every);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
@@ -339,19 +353,21 @@ async fn watch_delay(
         if !connection.status().connected() {
             return;
         }
-        match delay.verify(&connection).await {
+        // Checks the delay infrastructure, Q.dlx, Q.dlq and Q; declaring is idempotent, so the
+        // whole topology is declared again, binding Q.dlq to Q.dlx anew with it.
+        match topology.verify(&connection).await {
             Ok(()) => {}
             Err(TopologyError::Missing { object }) if !verify_only => {
-                warn!(missing = %object, "part of the delay infrastructure was deleted while running; declaring it again");
-                match delay.declare(&connection).await {
-                    Ok(()) => info!(missing = %object, "delay infrastructure declared again"),
-                    Err(e) => warn!(error = %e, "cannot declare the delay infrastructure again"),
+                warn!(missing = %object, "part of the topology was deleted while running; declaring it again");
+                match topology.declare(&connection).await {
+                    Ok(()) => info!(missing = %object, "topology declared again"),
+                    Err(e) => warn!(error = %e, "cannot declare the topology again"),
                 }
             }
             Err(TopologyError::Missing { object }) => {
-                error!(missing = %object, "part of the delay infrastructure was deleted and this worker only verifies: retries may be dropped until it is declared again (redeliver topology declare)");
+                error!(missing = %object, "part of the topology was deleted and this worker only verifies: retries or dead letters may be dropped until it is declared again (redeliver topology declare)");
             }
-            Err(e) => debug!(error = %e, "cannot check the delay infrastructure"),
+            Err(e) => debug!(error = %e, "cannot check the topology"),
         }
         measure_parking(&connection, &name).await;
     }
