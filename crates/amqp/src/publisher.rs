@@ -24,8 +24,8 @@ use crate::names::{short, NameError};
 use lapin::message::BasicReturnMessage;
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
 use lapin::types::ShortString;
-use lapin::{BasicProperties, Channel, Confirmation, Connection};
-use std::sync::{Arc, OnceLock};
+use lapin::{BasicProperties, Channel, Confirmation, Connection, ConnectionStatus};
+use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use tokio::sync::{mpsc, oneshot, Mutex as AsyncMutex};
 
@@ -132,6 +132,10 @@ pub const DEFAULT_PUBLISH_CHANNELS: usize = 4;
 /// Most publishes sent as one batch on one channel before their confirms are awaited.
 const MAX_BATCH: usize = 256;
 
+/// How often a channel looks whether the broker still blocks the connection. Only while it
+/// does; lapin sets the flag as soon as it reads the broker's notice.
+const BLOCKED_POLL: Duration = Duration::from_millis(10);
+
 /// A few confirm-mode channels shared by every clone, each sending the publishes waiting for it
 /// as one batch and then awaiting that batch's confirms (group commit): many publishes may be
 /// in flight at once from several tasks, and the broker confirms them with a few `multiple`
@@ -154,6 +158,29 @@ const MAX_BATCH: usize = 256;
 /// broker then confirmed each publish with a frame of its own, which cost it 11-22 % more CPU
 /// per retry round trip than raw lapin's; with batches the two are level (BENCHMARKS.md).
 ///
+/// # Giving up on a publish
+///
+/// Every publish waits for its confirm for as long as the caller lets it: a deadline is the
+/// caller's, for instance `tokio::time::timeout` around the publish. A caller that gives up
+/// (drops the future) *withdraws* the publish unless a channel has already handed it to the
+/// connection: a withdrawn publish is never sent, however long it waited for a free channel, and
+/// its body is freed at once. So the publisher holds only the bodies of callers still waiting
+/// (the worker's concurrency bounds them), plus those of the batches already on the connection
+/// (at most one per channel) until their confirms come.
+///
+/// While the broker blocks the connection (`connection.blocked`: a memory or disk alarm), lapin
+/// writes nothing more on it and sends what it holds once the alarm clears, whatever became of
+/// its callers meanwhile. So no publish is handed to a blocked connection: the channels wait for
+/// the alarm to clear, and a caller that gives up meanwhile withdraws its publish as above.
+///
+/// What "gave up" (timed out) guarantees, then: the publish was not confirmed, and it is never
+/// sent *after* the caller gave up. It may have been sent *before*, and then the broker may still
+/// route it, later: a publish handed to the connection before the broker's blocked notice
+/// arrived (RabbitMQ blocks a connection when it publishes during an alarm, so the first publish
+/// of each connection meets the alarm this way), or written to a broker that is slow to confirm.
+/// A caller that gives up must treat the message as maybe sent: a copy whose original is then
+/// given back may be delivered twice, never lost.
+///
 /// If a channel dies (a connection loss, or the broker closing it after a refused publish), the
 /// publisher is closed as a whole: [`Self::channel`] then reports a closed channel and every
 /// further publish fails with [`PublishError::Amqp`]; create a new publisher (on the new
@@ -165,7 +192,7 @@ pub struct Publisher {
 
 #[derive(Clone, Debug)]
 struct Inner {
-    requests: mpsc::Sender<Request>,
+    requests: mpsc::Sender<Slot>,
     fate: Arc<Fate>,
     delay: DelayConfig,
     max_message_size: Option<usize>,
@@ -176,6 +203,8 @@ struct Inner {
 struct Fate {
     /// The first channel: what [`Publisher::channel`] returns, closed when any channel dies.
     primary: Channel,
+    /// The connection's state, blocked by the broker included.
+    connection: ConnectionStatus,
     /// The error that killed a channel; every later publish fails with it.
     dead: OnceLock<lapin::Error>,
 }
@@ -194,7 +223,26 @@ impl Fate {
     }
 }
 
-/// One publish waiting for its batch.
+/// One publish waiting for its batch, shared by its caller and the queue: the channel that
+/// takes it sends it, unless its caller gave up first and took it back ([`Withdraw`]). Whichever
+/// comes first wins, under the lock, so a publish is either sent or withdrawn, never both.
+type Slot = Arc<Mutex<Option<Request>>>;
+
+fn take(slot: &Slot) -> Option<Request> {
+    slot.lock().unwrap_or_else(PoisonError::into_inner).take()
+}
+
+/// Held by the caller while it waits: when the caller gives up (its future is dropped), the
+/// publish is withdrawn, and its body freed, if no channel took it yet.
+struct Withdraw(Slot);
+
+impl Drop for Withdraw {
+    fn drop(&mut self) {
+        drop(take(&self.0));
+    }
+}
+
+/// A publish: what it sends and whom to answer.
 struct Request {
     exchange: ShortString,
     routing_key: ShortString,
@@ -215,22 +263,31 @@ enum Verdict {
 /// Sends the batches of one channel until every clone of the publisher is gone.
 async fn run_channel(
     channel: Channel,
-    requests: Arc<AsyncMutex<mpsc::Receiver<Request>>>,
+    requests: Arc<AsyncMutex<mpsc::Receiver<Slot>>>,
     fate: Arc<Fate>,
 ) {
     loop {
-        let mut batch = Vec::new();
+        let mut slots = Vec::new();
         {
             // One channel at a time takes what is waiting; the others are sending or awaiting
             // their own batch meanwhile.
             let mut queue = requests.lock().await;
-            if queue.recv_many(&mut batch, MAX_BATCH).await == 0 {
+            if queue.recv_many(&mut slots, MAX_BATCH).await == 0 {
                 // Every clone of the publisher is gone: nothing more will be sent here.
                 if channel.status().connected() {
                     let _ = channel.close(200, "publisher dropped".into()).await;
                 }
                 return;
             }
+        }
+        // lapin would hold these until the alarm clears and then send them, even those whose
+        // callers gave up meanwhile: they wait here instead, where giving up withdraws them.
+        while fate.connection.blocked() && channel.status().connected() {
+            tokio::time::sleep(BLOCKED_POLL).await;
+        }
+        let batch: Vec<Request> = slots.iter().filter_map(take).collect();
+        if batch.is_empty() {
+            continue;
         }
         if let Some(error) = fate.dead.get() {
             for request in batch {
@@ -375,6 +432,7 @@ impl Publisher {
         };
         let fate = Arc::new(Fate {
             primary,
+            connection: conn.status().clone(),
             dead: OnceLock::new(),
         });
         let (requests, queue) = mpsc::channel(MAX_BATCH * all.len());
@@ -545,20 +603,22 @@ impl Publisher {
         props: BasicProperties,
     ) -> Result<(), PublishError> {
         let (reply, verdict) = oneshot::channel();
-        let request = Request {
+        let slot = Arc::new(Mutex::new(Some(Request {
             exchange: short(exchange)?,
             routing_key: short(routing_key)?,
             body: body.to_vec(),
             properties: props,
             reply,
-        };
+        })));
+        // Dropped with this future: a caller that stops waiting withdraws the publish.
+        let _withdraw = Withdraw(Arc::clone(&slot));
         let stopped = || {
             let error = self.inner.fate.dead.get().cloned().unwrap_or_else(|| {
                 std::io::Error::other("the publisher's channels have stopped").into()
             });
             PublishError::Amqp(error)
         };
-        if self.inner.requests.send(request).await.is_err() {
+        if self.inner.requests.send(slot).await.is_err() {
             return Err(stopped());
         }
         match verdict.await.map_err(|_| stopped())? {

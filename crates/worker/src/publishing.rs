@@ -10,6 +10,7 @@
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, PoisonError, Weak};
+use std::time::Duration;
 
 use futures::StreamExt;
 use lapin::{Connection, ConnectionProperties, Event};
@@ -17,6 +18,13 @@ use redeliver_amqp::url::BrokerUrl;
 use redeliver_amqp::{ConnectError, TlsConfig};
 use tokio::sync::watch;
 use tracing::{debug, info, warn};
+
+/// Longest a (re)connect of the publishing connection may take (TCP, TLS and the AMQP
+/// handshake), and opening the publisher's channels on it. Without it a node that accepts TCP
+/// and never answers holds the connection's lock, and so every copy of every worker sharing it,
+/// for ever. A delivery waits for a reconnect no longer than its confirm timeout (it is then
+/// requeued by the settling rules); this bounds the attempt itself, at session start too.
+pub(crate) const REOPEN_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// A publishing connection shared by the workers of this process that use the same broker URL;
 /// (re)connected on demand.
@@ -27,6 +35,8 @@ pub(crate) struct Publishing {
     connection: tokio::sync::Mutex<Option<Arc<Connection>>>,
     /// True while the broker blocks the connection (a resource alarm).
     blocked: watch::Sender<bool>,
+    /// Bound of one connect attempt ([`REOPEN_TIMEOUT`]; shorter in the unit tests).
+    connect_timeout: Duration,
 }
 
 /// The publishing connections of the workers that share them (one [`Worker::run`]
@@ -53,6 +63,7 @@ impl Pool {
             name: format!("{name} (publishing)"),
             connection: tokio::sync::Mutex::new(None),
             blocked: watch::Sender::new(false),
+            connect_timeout: REOPEN_TIMEOUT,
         });
         map.insert(key, Arc::downgrade(&fresh));
         fresh
@@ -67,7 +78,23 @@ impl Publishing {
             return Ok(Arc::clone(c));
         }
         let props = ConnectionProperties::default().with_connection_name(self.name.clone().into());
-        let connection = Arc::new(redeliver_amqp::connect_url(&self.url, props, &self.tls).await?);
+        let attempt = redeliver_amqp::connect_url(&self.url, props, &self.tls);
+        let connection = match tokio::time::timeout(self.connect_timeout, attempt).await {
+            Ok(connection) => Arc::new(connection?),
+            Err(_) => {
+                let timed_out = std::io::Error::new(
+                    std::io::ErrorKind::TimedOut,
+                    format!(
+                        "no AMQP handshake within {:?} (the node accepts connections but does not answer)",
+                        self.connect_timeout
+                    ),
+                );
+                return Err(ConnectError::Amqp {
+                    redacted: self.url.redacted().to_owned(),
+                    source: timed_out.into(),
+                });
+            }
+        };
         debug!(broker = %self.url, name = %self.name, "publishing connection open");
         // A new connection is not blocked until the broker says so.
         self.blocked.send_replace(false);
@@ -123,4 +150,49 @@ async fn watch_blocked(
     }
     // A dead connection blocks nothing; its successor reports afresh.
     blocked.send_replace(false);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A node that accepts TCP and never answers: the connect gives up after its timeout,
+    /// and releases the lock for the next attempt.
+    #[tokio::test]
+    async fn a_connect_to_a_silent_node_times_out() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("listen");
+        let port = listener.local_addr().expect("address").port();
+        // Accepts, keeps the sockets open, sends nothing.
+        let silent = tokio::spawn(async move {
+            let mut held = Vec::new();
+            while let Ok((socket, _)) = listener.accept().await {
+                held.push(socket);
+            }
+        });
+        let url =
+            BrokerUrl::parse(&format!("amqp://guest:guest@127.0.0.1:{port}/%2f")).expect("url");
+        let publishing = Publishing {
+            url,
+            tls: TlsConfig::new(),
+            name: "silent".into(),
+            connection: tokio::sync::Mutex::new(None),
+            blocked: watch::Sender::new(false),
+            connect_timeout: Duration::from_millis(500),
+        };
+        for _ in 0..2 {
+            let started = std::time::Instant::now();
+            let outcome = tokio::time::timeout(Duration::from_secs(10), publishing.connection())
+                .await
+                .expect("the connect attempt is bounded");
+            let Err(error) = outcome else {
+                panic!("a connection to a silent node");
+            };
+            assert!(error.to_string().contains("no AMQP handshake"), "{error}");
+            assert!(!error.to_string().contains("guest:guest"), "{error}");
+            assert!(started.elapsed() < Duration::from_secs(5));
+        }
+        silent.abort();
+    }
 }

@@ -29,7 +29,7 @@ use crate::acks::AckSender;
 use crate::meters::Meters;
 use crate::metrics_names as m;
 use crate::outcome::{self, Outcome, Settled};
-use crate::publishing::Publishing;
+use crate::publishing::{Publishing, REOPEN_TIMEOUT};
 use crate::requeue::{self, RequeueLedger};
 use crate::settings::DeadLetterMode;
 
@@ -86,6 +86,10 @@ pub(crate) enum CopyError {
     /// The publishing connection or its channel could not be (re)opened.
     #[error(transparent)]
     Open(#[from] OpenError),
+    /// The publishing connection or its channels were still being reopened when the confirm
+    /// timeout ran out (a node that accepts TCP and does not answer, say).
+    #[error("the publishing connection could not be reopened within {0:?}")]
+    Reopen(Duration),
 }
 
 /// Why the publisher could not be (re)opened.
@@ -539,7 +543,23 @@ impl Link {
             return Ok(p.clone());
         }
         let connection = self.publishing.connection().await?;
-        let p = Publisher::new(&connection, self.delay.clone()).await?;
+        // Bounded like the connect: a node that took the connection and then stops answering
+        // must not hold the lock, and every delivery that needs it, for ever.
+        let p = match tokio::time::timeout(
+            REOPEN_TIMEOUT,
+            Publisher::new(&connection, self.delay.clone()),
+        )
+        .await
+        {
+            Ok(p) => p?,
+            Err(_) => {
+                let timed_out = std::io::Error::new(
+                    std::io::ErrorKind::TimedOut,
+                    format!("the publisher's channels were not opened within {REOPEN_TIMEOUT:?}"),
+                );
+                return Err(OpenError::Publish(PublishError::Amqp(timed_out.into())));
+            }
+        };
         let p = match self.max_message_size {
             Some(n) => p.with_max_message_size(n),
             None => p,
@@ -570,8 +590,16 @@ impl Link {
                 return Err(CopyError::Blocked(started.elapsed()));
             }
         }
-        let publisher = self.publisher().await?;
+        // Within the same deadline: reopening after a lost connection may wait on a node that
+        // never answers, and the delivery must be settled (requeued) meanwhile, not held.
         let left = self.confirm_timeout.saturating_sub(started.elapsed());
+        let publisher = match tokio::time::timeout(left, self.publisher()).await {
+            Ok(publisher) => publisher?,
+            Err(_) => return Err(CopyError::Reopen(self.confirm_timeout)),
+        };
+        let left = self.confirm_timeout.saturating_sub(started.elapsed());
+        // Giving up drops the publish: the publisher then withdraws it unless it is already on
+        // the connection, so a copy whose original is requeued is not sent after that.
         match tokio::time::timeout(left, send(publisher)).await {
             Ok(result) => result.map_err(CopyError::from),
             Err(_) if *self.publishing.blocked().borrow() => {
