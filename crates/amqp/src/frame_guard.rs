@@ -16,7 +16,14 @@
 //! by a string saying so. Everything else passes through unchanged, body frames without a copy
 //! (see docs/upstream/amq-protocol-nested-field-table-stack-overflow.md).
 //!
-//! A rewritten message carries [`HEADERS_REMOVED`], saying what was removed; the worker
+//! The same scan repairs the short strings a publisher writes and lapin refuses when they are not
+//! UTF-8 (RabbitMQ does not check them): properties such as `message_id` or `content_type`, and
+//! the exchange and routing key of `basic.deliver`, `basic.get-ok` and `basic.return`. lapin's
+//! parser fails on them and closes the connection; the message goes back to the head of the queue
+//! and closes the next connection too, so one message stops every consumer. Each invalid byte
+//! becomes `?`, which keeps every length (a frame never grows past the size it came in).
+//!
+//! A rewritten message carries [`HEADERS_REMOVED`], saying what was removed or repaired; the worker
 //! dead-letters such a message (its own copy in the broker keeps the original headers), the CLI
 //! shows it. The header is stripped from anything received, so it always means "altered on this
 //! receipt", never what a publisher claims.
@@ -44,12 +51,12 @@ use lapin::{Connection, ConnectionProperties};
 /// 2 MiB of its I/O thread, and our own code (clone, drop, encoding, rendering) as little.
 pub const MAX_HEADER_DEPTH: usize = 32;
 
-/// Set on a message whose headers were rewritten on receipt: a `longstr` saying which headers
-/// were removed and why. See [`headers_removed`].
+/// Set on a message whose headers or properties were rewritten on receipt: a `longstr` saying
+/// which headers were removed, or which properties repaired, and why. See [`headers_removed`].
 pub const HEADERS_REMOVED: &str = "x-redeliver-headers-removed";
 
-/// Headers of a delivery were removed on receipt (nested too deep, too large, unreadable): the
-/// message cannot be taken apart as it was sent.
+/// Headers of a delivery were removed on receipt (nested too deep, too large, unreadable), or
+/// properties repaired (not UTF-8): the message cannot be taken apart as it was sent.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 #[error("{0}")]
 pub struct HeadersRemoved(pub String);
@@ -213,7 +220,6 @@ impl FrameGuard {
                         continue;
                     }
                     self.head_len = 0;
-                    let channel = u16::from_be_bytes([self.head[1], self.head[2]]);
                     let size = u32::from_be_bytes([
                         self.head[3],
                         self.head[4],
@@ -221,11 +227,11 @@ impl FrameGuard {
                         self.head[6],
                     ]) as usize;
                     let rest = size.saturating_add(1);
-                    // Content headers are the frames that can nest; method frames of channel
-                    // 0 carry `connection.tune` and its frame size. Both are held whole.
-                    if self.head[0] == FRAME_HEADER
-                        || (self.head[0] == FRAME_METHOD && channel == 0)
-                    {
+                    // Content headers are the frames that can nest or carry a publisher's
+                    // properties; method frames carry `connection.tune` (channel 0) and a
+                    // publisher's exchange and routing key (`basic.deliver`). Both are small
+                    // and held whole; bodies pass through.
+                    if self.head[0] == FRAME_HEADER || self.head[0] == FRAME_METHOD {
                         self.held.clear();
                         self.state = State::Hold(rest);
                     } else {
@@ -250,13 +256,22 @@ impl FrameGuard {
     fn release_held(&mut self) {
         let held = std::mem::take(&mut self.held);
         let (payload, end) = held.split_at(held.len() - 1);
+        let channel = u16::from_be_bytes([self.head[1], self.head[2]]);
         if end == [FRAME_END] {
-            if self.head[0] == FRAME_METHOD {
-                self.note_tune(payload);
-            } else if let Some(rewritten) = sanitize_content_header(payload, self.frame_max) {
-                self.out.push(FRAME_HEADER);
+            let rewritten = if self.head[0] == FRAME_METHOD {
+                if channel == 0 {
+                    self.note_tune(payload);
+                    None
+                } else {
+                    sanitize_method(payload)
+                }
+            } else {
+                sanitize_content_header(payload, self.frame_max)
+            };
+            if let Some(rewritten) = rewritten {
+                self.out.push(self.head[0]);
                 self.out.extend_from_slice(&self.head[1..3]);
-                // A rewrite only ever shrinks a payload, so its size fits the u32 it came in.
+                // A rewrite fits the frame size (checked), so its size fits a u32.
                 self.out.extend_from_slice(
                     &u32::try_from(rewritten.len())
                         .unwrap_or(u32::MAX)
@@ -287,76 +302,202 @@ impl FrameGuard {
     }
 }
 
+/// The basic class's properties in wire order, by flag bit: what each one is on the wire.
+#[derive(Clone, Copy)]
+enum Property {
+    /// A short string, named as lapin names the property.
+    Short(&'static str),
+    /// The header table.
+    Table,
+    /// A fixed number of bytes (delivery mode and priority 1, timestamp 8).
+    Fixed(usize),
+}
+
+const PROPERTIES: [Property; 14] = [
+    Property::Short("content_type"),
+    Property::Short("content_encoding"),
+    Property::Table,
+    Property::Fixed(1),
+    Property::Fixed(1),
+    Property::Short("correlation_id"),
+    Property::Short("reply_to"),
+    Property::Short("expiration"),
+    Property::Short("message_id"),
+    Property::Fixed(8),
+    Property::Short("type"),
+    Property::Short("user_id"),
+    Property::Short("app_id"),
+    Property::Short("cluster_id"),
+];
+
+/// Copies the short string at `pos` of `buf` to `out`, every byte of it that is not part of
+/// valid UTF-8 replaced by `?` (so the length does not change: a rewritten frame never grows
+/// past the frame size it came in). Returns where it ends and whether it was repaired.
+fn copy_short_string(buf: &[u8], pos: usize, out: &mut Vec<u8>) -> Option<(usize, bool)> {
+    let len = *buf.get(pos)? as usize;
+    let text = buf.get(pos + 1..pos + 1 + len)?;
+    out.push(len as u8);
+    if std::str::from_utf8(text).is_ok() {
+        out.extend_from_slice(text);
+        return Some((pos + 1 + len, false));
+    }
+    for chunk in text.utf8_chunks() {
+        out.extend_from_slice(chunk.valid().as_bytes());
+        out.extend(std::iter::repeat_n(b'?', chunk.invalid().len()));
+    }
+    Some((pos + 1 + len, true))
+}
+
+/// The payload of a method frame a publisher's text reaches (`basic.deliver`, `basic.get-ok`,
+/// `basic.return`: exchange and routing key) with short strings that are not UTF-8 repaired,
+/// or `None` when it can be passed on as it is. lapin's parser refuses such a string and closes
+/// the connection; the message would come back at the head of the queue and close the next one.
+fn sanitize_method(payload: &[u8]) -> Option<Vec<u8>> {
+    let class_method = payload.get(..4)?;
+    let layout: &[Option<usize>] = match class_method {
+        // consumer tag; delivery tag and redelivered; exchange; routing key
+        [0, 60, 0, 60] => &[None, Some(9), None, None],
+        // delivery tag and redelivered; exchange; routing key (message count follows)
+        [0, 60, 0, 71] => &[Some(9), None, None],
+        // reply code; reply text; exchange; routing key
+        [0, 60, 0, 50] => &[Some(2), None, None, None],
+        _ => return None,
+    };
+    let mut out = payload[..4].to_vec();
+    let mut pos = 4;
+    let mut repaired = false;
+    for field in layout {
+        match field {
+            Some(n) => {
+                out.extend_from_slice(payload.get(pos..pos + n)?);
+                pos += n;
+            }
+            None => {
+                let (end, r) = copy_short_string(payload, pos, &mut out)?;
+                repaired |= r;
+                pos = end;
+            }
+        }
+    }
+    if !repaired {
+        return None;
+    }
+    out.extend_from_slice(&payload[pos..]);
+    Some(out)
+}
+
 /// The payload of a content-header frame rewritten so that lapin can parse it and its frame
-/// fits `frame_max` (0: no limit), or `None` when it can be passed on as it is.
+/// fits `frame_max` (0: no limit), or `None` when it can be passed on as it is: headers nested
+/// too deep or unreadable are replaced, short-string properties that are not UTF-8 repaired,
+/// and [`HEADERS_REMOVED`] says what was done.
 fn sanitize_content_header(payload: &[u8], frame_max: u32) -> Option<Vec<u8>> {
     // class, weight, body size, property flags.
     let flags = u16::from_be_bytes([*payload.get(12)?, *payload.get(13)?]);
-    if flags & HEADERS_FLAG == 0 {
-        return None;
-    }
+    let mut before = payload[..14].to_vec();
+    let mut after = Vec::new();
+    let mut table_src = None;
+    let mut repaired = Vec::new();
     let mut pos = 14;
-    // content-type and content-encoding, short strings, come before the headers.
-    for bit in [1u16 << 15, 1 << 14] {
-        if flags & bit != 0 {
-            pos += 1 + *payload.get(pos)? as usize;
+    for (i, property) in PROPERTIES.iter().enumerate() {
+        if flags & (1 << (15 - i)) == 0 {
+            continue;
+        }
+        // content_type and content_encoding come before the headers, the rest after.
+        let out = if i < 2 { &mut before } else { &mut after };
+        match *property {
+            Property::Table => {
+                let table_len = read_u32(payload, pos)?;
+                let end = (pos + 4).checked_add(table_len)?;
+                if end > payload.len() {
+                    // lapin reports a truncated table; nothing nests beyond the frame.
+                    return None;
+                }
+                table_src = Some((pos + 4, end));
+                pos = end;
+            }
+            Property::Fixed(n) => {
+                out.extend_from_slice(payload.get(pos..pos + n)?);
+                pos += n;
+            }
+            Property::Short(name) => {
+                let (end, r) = copy_short_string(payload, pos, out)?;
+                if r {
+                    repaired.push(name);
+                }
+                pos = end;
+            }
         }
     }
-    let table_len = read_u32(payload, pos)?;
-    let body = pos + 4;
-    let end = body.checked_add(table_len)?;
-    if end > payload.len() {
-        // lapin reports a truncated table as a parse error; nothing nests beyond the frame.
-        return None;
-    }
+    after.extend_from_slice(&payload[pos..]);
     let limit = match frame_max {
         0 => usize::MAX,
         n => (n as usize).saturating_sub(FRAME_OVERHEAD),
     };
-    let too_large = || {
-        marker_only(&format!(
-            "the header table ({table_len} bytes) does not fit the frame size ({frame_max} bytes)"
-        ))
+    let rewrite = match table_src {
+        Some((start, end)) => rewrite_table(&payload[start..end]),
+        None => Ok(None),
     };
-    let table = match rewrite_table(&payload[body..end]) {
-        Ok(None) if payload.len() <= limit => return None,
-        Ok(None) => too_large(),
-        Ok(Some(table)) => table,
-        Err(Malformed) => marker_only("the header table cannot be read"),
+    if repaired.is_empty() && matches!(rewrite, Ok(None)) && payload.len() <= limit {
+        return None;
+    }
+    let mut notes = Vec::new();
+    let mut table = match rewrite {
+        Ok(None) => table_src.map_or_else(Vec::new, |(s, e)| payload[s..e].to_vec()),
+        Ok(Some(rewritten)) => {
+            if let Some(note) = rewritten.note {
+                notes.push(note);
+            }
+            rewritten.entries
+        }
+        Err(Malformed) => {
+            notes.push("the header table cannot be read: removed on receipt".to_owned());
+            Vec::new()
+        }
     };
-    let mut rebuilt = splice(payload, pos, end, &table);
+    if !repaired.is_empty() {
+        notes.push(format!(
+            "properties that are not UTF-8 were repaired on receipt (each invalid byte \
+             replaced by '?'): {}",
+            repaired.join(", ")
+        ));
+    }
+    let assemble = |table: &[u8], notes: &[String]| {
+        let mut table = table.to_vec();
+        if !notes.is_empty() {
+            push_entry(&mut table, HEADERS_REMOVED.as_bytes(), &notes.join("; "));
+        }
+        let mut out = before.clone();
+        if table_src.is_some() || !table.is_empty() {
+            out[12..14].copy_from_slice(&(flags | HEADERS_FLAG).to_be_bytes());
+            out.extend_from_slice(&u32::try_from(table.len()).unwrap_or(u32::MAX).to_be_bytes());
+            out.extend_from_slice(&table);
+        }
+        out.extend_from_slice(&after);
+        out
+    };
+    let mut rebuilt = assemble(&table, &notes);
     if rebuilt.len() > limit {
-        rebuilt = splice(payload, pos, end, &too_large());
+        let table_len = table_src.map_or(0, |(s, e)| e - s);
+        notes.retain(|n| n.starts_with("properties"));
+        notes.insert(
+            0,
+            format!(
+                "the header table ({table_len} bytes) does not fit the frame size \
+                 ({frame_max} bytes): removed on receipt"
+            ),
+        );
+        table.clear();
+        rebuilt = assemble(&table, &notes);
     }
     Some(rebuilt)
 }
 
-/// `payload` with the table at `pos..end` (length prefix included) replaced by `table`.
-fn splice(payload: &[u8], pos: usize, end: usize, table: &[u8]) -> Vec<u8> {
-    let mut out = Vec::with_capacity(payload.len() - (end - pos) + table.len() + 4);
-    out.extend_from_slice(&payload[..pos]);
-    out.extend_from_slice(&u32::try_from(table.len()).unwrap_or(u32::MAX).to_be_bytes());
-    out.extend_from_slice(table);
-    out.extend_from_slice(&payload[end..]);
-    out
-}
-
+/// A header table lapin cannot parse (truncated, an unknown type, a key that is not UTF-8).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct Malformed;
 
-/// A table body holding only the marker.
-fn marker_only(why: &str) -> Vec<u8> {
-    let mut table = Vec::new();
-    push_entry(
-        &mut table,
-        HEADERS_REMOVED.as_bytes(),
-        &format!("{why}: removed on receipt"),
-    );
-    table
-}
-
 fn push_entry(table: &mut Vec<u8>, key: &[u8], text: &str) {
-    // Keys here are our own or came from a short string: at most 255 bytes.
+    // Keys here are our own: far below the 255 bytes of a short string.
     table.push(u8::try_from(key.len()).unwrap_or(u8::MAX));
     table.extend_from_slice(&key[..key.len().min(255)]);
     push_long_string(table, text);
@@ -368,10 +509,16 @@ fn push_long_string(out: &mut Vec<u8>, text: &str) {
     out.extend_from_slice(text.as_bytes());
 }
 
+/// A header table rewritten: its entries (without the marker) and what the marker should say.
+struct RewrittenTable {
+    entries: Vec<u8>,
+    note: Option<String>,
+}
+
 /// The table body with every entry nested deeper than [`MAX_HEADER_DEPTH`] replaced by a string,
-/// any incoming [`HEADERS_REMOVED`] dropped, and the marker added when something was removed;
-/// `None` when nothing changes.
-fn rewrite_table(body: &[u8]) -> Result<Option<Vec<u8>>, Malformed> {
+/// any incoming [`HEADERS_REMOVED`] dropped, and a note for the marker when something was
+/// removed; `None` when nothing changes.
+fn rewrite_table(body: &[u8]) -> Result<Option<RewrittenTable>, Malformed> {
     let mut out = Vec::new();
     let mut removed = Vec::new();
     let mut changed = false;
@@ -407,6 +554,7 @@ fn rewrite_table(body: &[u8]) -> Result<Option<Vec<u8>>, Malformed> {
     if !changed {
         return Ok(None);
     }
+    let mut note = None;
     if !removed.is_empty() {
         let mut names = removed
             .iter()
@@ -417,15 +565,11 @@ fn rewrite_table(body: &[u8]) -> Result<Option<Vec<u8>>, Malformed> {
         if removed.len() > NAMES_LISTED {
             names.push_str(&format!(" and {} more", removed.len() - NAMES_LISTED));
         }
-        push_entry(
-            &mut out,
-            HEADERS_REMOVED.as_bytes(),
-            &format!(
-                "headers nested deeper than {MAX_HEADER_DEPTH} levels were removed on receipt: {names}"
-            ),
-        );
+        note = Some(format!(
+            "headers nested deeper than {MAX_HEADER_DEPTH} levels were removed on receipt: {names}"
+        ));
     }
-    Ok(Some(out))
+    Ok(Some(RewrittenTable { entries: out, note }))
 }
 
 fn read_u32(buf: &[u8], pos: usize) -> Option<usize> {
@@ -875,6 +1019,144 @@ mod tests {
             assert_eq!(through(&input, chunk), whole, "chunk {chunk}");
         }
         assert_eq!(parse_small_stack(whole).len(), 6);
+    }
+
+    /// A content-header frame on channel 1 whose short-string properties are these raw bytes:
+    /// content type, message id and type (flags 15, 7, 5), and `headers` when given.
+    fn props_frame(
+        content_type: &[u8],
+        message_id: &[u8],
+        kind: &[u8],
+        headers: Option<&[u8]>,
+    ) -> Vec<u8> {
+        let mut flags = (1u16 << 15) | (1 << 7) | (1 << 5);
+        if headers.is_some() {
+            flags |= HEADERS_FLAG;
+        }
+        let mut p = vec![0, 60, 0, 0, 0, 0, 0, 0, 0, 0, 0, 3];
+        p.extend_from_slice(&flags.to_be_bytes());
+        let short = |p: &mut Vec<u8>, s: &[u8]| {
+            p.push(s.len() as u8);
+            p.extend_from_slice(s);
+        };
+        short(&mut p, content_type);
+        if let Some(table) = headers {
+            p.extend_from_slice(&(table.len() as u32).to_be_bytes());
+            p.extend_from_slice(table);
+        }
+        short(&mut p, message_id);
+        short(&mut p, kind);
+        frame(FRAME_HEADER, 1, &p)
+    }
+
+    fn properties(frame: &AMQPFrame) -> lapin::BasicProperties {
+        match frame {
+            AMQPFrame::Header(_, h) => h.properties.clone(),
+            other => panic!("not a header frame: {other:?}"),
+        }
+    }
+
+    #[test]
+    fn properties_that_are_not_utf8_are_repaired_and_marked() {
+        // Without the guard lapin refuses the frame (and closes the connection).
+        let input = props_frame(b"application/json", b"id-\xff\xfe-1", b"\xc3", None);
+        assert!(parse_frame(&input[..]).is_err());
+        for chunk in [1, 3, 7, 4096] {
+            let frames = parse_small_stack(through(&input, chunk));
+            let p = properties(&frames[0]);
+            assert_eq!(p.message_id().as_ref().map(|s| s.as_str()), Some("id-??-1"));
+            assert_eq!(p.kind().as_ref().map(|s| s.as_str()), Some("?"));
+            assert_eq!(
+                p.content_type().as_ref().map(|s| s.as_str()),
+                Some("application/json")
+            );
+            let why = headers_removed(p.headers().as_ref()).expect("marked").0;
+            assert!(
+                why.contains("not UTF-8") && why.contains("message_id, type"),
+                "{why}"
+            );
+            assert!(!why.contains("content_type"), "{why}");
+        }
+    }
+
+    #[test]
+    fn repaired_properties_and_cut_headers_are_both_named() {
+        let table = [entry("deep", &nested(b'A', 100)), entry("keep", b"t\x01")].concat();
+        let input = props_frame(b"text/\xff", b"ok", b"t", Some(&table));
+        let p = properties(&parse_small_stack(through(&input, 64))[0]);
+        assert_eq!(
+            p.content_type().as_ref().map(|s| s.as_str()),
+            Some("text/?")
+        );
+        let h = p.headers().clone().expect("headers");
+        assert_eq!(h.inner().get("keep"), Some(&AMQPValue::Boolean(true)));
+        let why = headers_removed(Some(&h)).expect("marked").0;
+        assert!(
+            why.contains("deeper than 32 levels") && why.contains("deep"),
+            "{why}"
+        );
+        assert!(why.contains("content_type"), "{why}");
+    }
+
+    #[test]
+    fn valid_properties_pass_unchanged() {
+        let input = props_frame(
+            "application/json; charset=é".as_bytes(),
+            b"id-1",
+            b"t",
+            Some(&entry("a", b"t\x00")),
+        );
+        assert_eq!(through(&input, 5), input);
+    }
+
+    #[test]
+    fn routing_keys_and_exchanges_that_are_not_utf8_are_repaired() {
+        let short = |p: &mut Vec<u8>, s: &[u8]| {
+            p.push(s.len() as u8);
+            p.extend_from_slice(s);
+        };
+        // basic.deliver: consumer tag, delivery tag, redelivered, exchange, routing key.
+        let mut deliver = vec![0, 60, 0, 60];
+        short(&mut deliver, b"ctag");
+        deliver.extend_from_slice(&[0, 0, 0, 0, 0, 0, 0, 9, 1]);
+        short(&mut deliver, b"ex\xff");
+        short(&mut deliver, b"rk.\xe2\x82");
+        // basic.get-ok: delivery tag, redelivered, exchange, routing key, message count.
+        let mut get_ok = vec![0, 60, 0, 71, 0, 0, 0, 0, 0, 0, 0, 3, 0];
+        short(&mut get_ok, b"");
+        short(&mut get_ok, b"\x80q");
+        get_ok.extend_from_slice(&5u32.to_be_bytes());
+        // basic.return: reply code, reply text, exchange, routing key.
+        let mut ret = vec![0, 60, 0, 50, 1, 56];
+        short(&mut ret, b"NO_ROUTE");
+        short(&mut ret, b"x");
+        short(&mut ret, b"\xff");
+        for payload in [&deliver, &get_ok, &ret] {
+            assert!(parse_frame(&frame(FRAME_METHOD, 1, payload)[..]).is_err());
+        }
+        let input = [
+            frame(FRAME_METHOD, 1, &deliver),
+            frame(FRAME_METHOD, 1, &get_ok),
+            frame(FRAME_METHOD, 1, &ret),
+        ]
+        .concat();
+        let frames = parse_small_stack(through(&input, 3));
+        let text = format!("{frames:?}");
+        for expected in ["\"ex?\"", "\"rk.??\"", "\"?q\"", "\"ctag\"", "\"NO_ROUTE\""] {
+            assert!(text.contains(expected), "{expected} in {text}");
+        }
+        // Other method frames, and valid ones, pass unchanged.
+        let mut ok = vec![0, 60, 0, 60];
+        short(&mut ok, b"ctag");
+        ok.extend_from_slice(&[0, 0, 0, 0, 0, 0, 0, 9, 0]);
+        short(&mut ok, b"");
+        short(&mut ok, "q.é".as_bytes());
+        let untouched = [
+            frame(FRAME_METHOD, 1, &ok),
+            frame(FRAME_METHOD, 1, &[0, 50, 0, 11, 0xff]),
+        ]
+        .concat();
+        assert_eq!(through(&untouched, 2), untouched);
     }
 
     #[test]

@@ -36,9 +36,15 @@ async fn dlq_commands_survive_the_deepest_headers() {
     .unwrap_or_else(|e| panic!("publishing: {e}"));
     assert_eq!(count(&conn, &dlq).await, 3);
 
-    // list, in both output modes.
+    // list, in both output modes. RabbitMQ 4.x takes seconds to hand out each deep message
+    // (it converts the header on delivery): the CLI waits for them rather than stop short.
     let table = cli(&["dlq", "list", "hq", "--prefix", &p]).ok();
-    assert!(table.stdout.contains("deep-arrays"), "{}", table.stdout);
+    assert!(
+        table.stdout.contains("deep-arrays"),
+        "{}\n{}",
+        table.stdout,
+        table.stderr
+    );
     let json = cli(&["dlq", "list", "hq", "--prefix", &p, "--json"]).ok();
     let listed: Value = serde_json::from_str(&json.stdout)
         .unwrap_or_else(|e| panic!("not JSON ({e}):\n{}", json.stdout));
@@ -84,4 +90,98 @@ async fn dlq_commands_survive_the_deepest_headers() {
         done.stdout
     );
     assert_eq!(count(&conn, &dlq).await, 0);
+}
+
+/// Short strings that are not UTF-8 (properties, a routing key) used to close the CLI's
+/// connection at the first such dead letter, so no command got past it. Now they are repaired on
+/// receipt and marked, and every command goes on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dlq_commands_survive_properties_and_routing_keys_that_are_not_utf8() {
+    use redeliver_worker::lapin::options::{
+        ExchangeDeclareOptions, ExchangeDeleteOptions, QueueBindOptions,
+    };
+    use redeliver_worker::lapin::types::FieldTable;
+    use redeliver_worker::lapin::ExchangeKind;
+
+    let conn = connect().await;
+    let p = prefix();
+    let _cleanup = Cleanup::new(&p, &["uq"]);
+    let _objects = redeliver_testkit::Cleanup(p.clone());
+    declare("uq", &p, &[]);
+    let q = format!("{p}uq");
+    let dlq = format!("{q}.dlq");
+    let fanout = format!("{p}fanout");
+    let ch = conn.create_channel().await.unwrap();
+    ch.exchange_declare(
+        fanout.as_str().into(),
+        ExchangeKind::Fanout,
+        ExchangeDeclareOptions::default(),
+        FieldTable::default(),
+    )
+    .await
+    .unwrap();
+    ch.queue_bind(
+        dlq.as_str().into(),
+        fanout.as_str().into(),
+        "".into(),
+        QueueBindOptions::default(),
+        FieldTable::default(),
+    )
+    .await
+    .unwrap();
+
+    let (url, target, fan) = (amqp_url(), dlq.clone(), fanout.clone());
+    tokio::task::spawn_blocking(move || {
+        let json = b"application/json";
+        let body = b"{\"n\":1}";
+        let id = raw_publish::raw_properties(body.len(), json, b"bad-id-\xff");
+        raw_publish::publish_raw(&url, "", target.as_bytes(), &id, body)?;
+        let ct = raw_publish::raw_properties(body.len(), b"text/\xc3", b"bad-ct");
+        raw_publish::publish_raw(&url, "", target.as_bytes(), &ct, body)?;
+        let rk = raw_publish::raw_properties(body.len(), json, b"bad-rk");
+        raw_publish::publish_raw(&url, &fan, b"rk.\xfe", &rk, body)?;
+        Ok::<_, String>(())
+    })
+    .await
+    .unwrap()
+    .unwrap_or_else(|e| panic!("publishing: {e}"));
+    assert_eq!(count(&conn, &dlq).await, 3);
+
+    let json = cli(&["dlq", "list", "uq", "--prefix", &p, "--json"]).ok();
+    let listed: Value = serde_json::from_str(&json.stdout)
+        .unwrap_or_else(|e| panic!("not JSON ({e}):\n{}", json.stdout));
+    assert_eq!(message_ids(&listed), ["bad-id-?", "bad-ct", "bad-rk"]);
+    let table = cli(&["dlq", "list", "uq", "--prefix", &p]).ok();
+    assert!(table.stdout.contains("bad-rk"), "{}", table.stdout);
+    let peek = cli(&["dlq", "peek", "uq", "bad-ct", "--prefix", &p]).ok();
+    assert!(peek.stdout.contains(HEADERS_REMOVED), "{}", peek.stdout);
+    assert!(peek.stdout.contains("content_type"), "{}", peek.stdout);
+    assert_eq!(
+        count(&conn, &dlq).await,
+        3,
+        "listing and peeking removed nothing"
+    );
+
+    let one = cli(&[
+        "dlq",
+        "replay",
+        "uq",
+        "--prefix",
+        &p,
+        "--message-id",
+        "bad-rk",
+    ])
+    .ok();
+    assert!(one.stdout.contains("moved 1 message(s)"), "{}", one.stdout);
+    assert_eq!(count(&conn, &q).await, 1);
+    let done = cli(&["dlq", "purge", "uq", "--prefix", &p, "--yes"]).ok();
+    assert!(
+        done.stdout.contains("purged 2 message(s)"),
+        "{}",
+        done.stdout
+    );
+    assert_eq!(count(&conn, &dlq).await, 0);
+    ch.exchange_delete(fanout.as_str().into(), ExchangeDeleteOptions::default())
+        .await
+        .unwrap();
 }

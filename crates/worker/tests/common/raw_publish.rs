@@ -137,6 +137,34 @@ pub fn publish(
     body: &[u8],
     message_id: &str,
 ) -> Result<Published, String> {
+    let header = header_payload(value, body.len(), message_id);
+    publish_raw(url, "", queue.as_bytes(), &header, body)
+}
+
+/// Content-header payload with a content type and a message id given as raw bytes (which need
+/// not be UTF-8), and delivery mode 2; no headers.
+pub fn raw_properties(body_len: usize, content_type: &[u8], message_id: &[u8]) -> Vec<u8> {
+    let mut p = vec![0, 60, 0, 0];
+    p.extend_from_slice(&(body_len as u64).to_be_bytes());
+    p.extend_from_slice(&((1u16 << 15) | (1 << 12) | (1 << 7)).to_be_bytes());
+    p.push(content_type.len() as u8);
+    p.extend_from_slice(content_type);
+    p.push(2);
+    p.push(message_id.len() as u8);
+    p.extend_from_slice(message_id);
+    p
+}
+
+/// Publishes one message to `exchange` with a raw routing key (which need not be UTF-8) and a raw
+/// content-header payload, with the mandatory flag and a publisher confirm; returns once the
+/// broker confirmed it.
+pub fn publish_raw(
+    url: &str,
+    exchange: &str,
+    routing_key: &[u8],
+    header_payload: &[u8],
+    body: &[u8],
+) -> Result<Published, String> {
     let uri: AMQPUri = url.parse().map_err(|e: String| e)?;
     let mut s = TcpStream::connect((uri.authority.host.as_str(), uri.authority.port))
         .map_err(|e| format!("connecting: {e}"))?;
@@ -168,10 +196,11 @@ pub fn publish(
     w(&mut s, &frame(1, 1, &method(85, 10, &[0])))?;
     expect(&mut s, 85, 11)?;
     let mut publish = vec![0, 0];
-    publish.extend(short(""));
-    publish.extend(short(queue));
+    publish.extend(short(exchange));
+    publish.push(routing_key.len() as u8);
+    publish.extend_from_slice(routing_key);
     publish.push(1); // mandatory
-    let header = frame(2, 1, &header_payload(value, body.len(), message_id));
+    let header = frame(2, 1, header_payload);
     let published = Published {
         frame_max,
         header_frame: header.len(),
@@ -190,7 +219,12 @@ pub fn publish(
             u16::from_be_bytes([p[2], p[3]]),
         ) {
             (60, 80) => break,
-            (60, 50) => return Err(format!("returned: no queue {queue}")),
+            (60, 50) => {
+                return Err(format!(
+                    "returned: nothing bound to {}",
+                    String::from_utf8_lossy(routing_key)
+                ))
+            }
             (60, 120) => return Err("nacked".into()),
             (10, 50) | (20, 40) => {
                 let text_len = p.get(6).copied().unwrap_or(0) as usize;
