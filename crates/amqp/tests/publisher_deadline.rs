@@ -3,7 +3,7 @@
 //! queue, and the caller, who already treated it as not taken, does not get a duplicate.
 //!
 //! An alarm stops every publisher of the node, so this runs against a dedicated node
-//! (`rddeadline-1@localhost`, AMQP port 5697) started with `scripts/cluster.sh` and removed
+//! (`rddeadline-1@localhost`, AMQP port 5699) started with `scripts/cluster.sh` and removed
 //! afterwards; `RD_CLUSTER_CHROOT` picks another RabbitMQ version, as for the other node tests.
 mod common;
 
@@ -32,7 +32,7 @@ async fn until(within: Duration, what: &str, mut pred: impl FnMut() -> bool) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_publish_abandoned_while_blocked_is_never_sent() {
-    let nodes = Nodes::start("rddeadline", 1, 5697, false).await;
+    let nodes = Nodes::start("rddeadline", 1, 5699, false).await;
     let url = nodes.amqp_url(1);
     let conn = connect(&url).await;
     // The queue lives on a connection of its own, which publishes nothing, so the alarm does
