@@ -340,6 +340,10 @@ fn delay_queues(cfg: &DelayConfig) -> Vec<String> {
     v
 }
 
+/// How long a publish the broker routed before a binding or an exchange went away may still be
+/// on its way to the queue (measured in milliseconds; a loaded node is slower).
+const IN_FLIGHT: std::time::Duration = std::time::Duration::from_secs(1);
+
 /// Deletes the delay infrastructure. With `force`, everything goes and the queues that held
 /// messages are returned. Without it, nothing goes if any delay queue holds messages, and a
 /// queue is only deleted once nothing can reach it any more and it was found empty then.
@@ -406,36 +410,54 @@ async fn delete_delay(
         ops.close().await;
         return Ok(Ok(discarded));
     }
-    let mut deleted = Vec::new();
-    for k in (0..cfg.configured_levels()).rev() {
-        let name = cfg.level_name(k);
-        let key = cfg.level_binding_key(k, true);
-        ops.unbind(&name, &name, &key).await?;
-        match ops.count(&name).await? {
+    // Every way in closed first, then one pause for what was routed before: a publish the
+    // exchange routed just before the unbind still travels to the queue (to a quorum queue's
+    // leader through the publisher's channel), and counted too early it would be deleted with
+    // the queue. RabbitMQ then even confirms it (its queue is gone), so the publisher believes
+    // the retry is stored.
+    let levels: Vec<(String, String)> = (0..cfg.configured_levels())
+        .rev()
+        .map(|k| (cfg.level_name(k), cfg.level_binding_key(k, true)))
+        .collect();
+    for (name, key) in &levels {
+        ops.unbind(name, name, key).await?;
+    }
+    tokio::time::sleep(IN_FLIGHT).await;
+    let mut present = Vec::new();
+    let mut arrived = Vec::new();
+    for (name, _) in &levels {
+        match ops.count(name).await? {
             None => {}
-            Some(0) => {
-                ops.delete_queue(&name).await?;
-                deleted.push(name);
-            }
-            Some(n) => {
-                // Put the way in back: the queue stays as it was.
-                ops.bind(&name, &name, &key).await.with_context(|| {
+            Some(0) => present.push(name.clone()),
+            Some(n) => arrived.push(QueueCount {
+                queue: name.clone(),
+                messages: n,
+            }),
+        }
+    }
+    if !arrived.is_empty() {
+        // Put the ways in back: every queue stays as it was.
+        for (name, key) in &levels {
+            if present.contains(name) || arrived.iter().any(|a| &a.queue == name) {
+                ops.bind(name, name, key).await.with_context(|| {
                     format!(
-                        "'{name}' received {n} message(s) while deleting and was kept, but \
-                         binding it to its exchange again failed: declare the delay \
-                         infrastructure again (`redeliver topology declare`)"
+                        "messages arrived in the delay queues while deleting, so nothing was \
+                         deleted, but binding '{name}' to its exchange again failed: declare \
+                         the delay infrastructure again (`redeliver topology declare`)"
                     )
                 })?;
-                ops.close().await;
-                return Ok(Err(Refusal {
-                    non_empty: vec![QueueCount {
-                        queue: name,
-                        messages: n,
-                    }],
-                    already_deleted: deleted,
-                }));
             }
         }
+        ops.close().await;
+        return Ok(Err(Refusal {
+            non_empty: arrived,
+            already_deleted: Vec::new(),
+        }));
+    }
+    let mut deleted = Vec::new();
+    for name in present {
+        ops.delete_queue(&name).await?;
+        deleted.push(name);
     }
     // No level queue is left, so nothing is waiting to expire into these exchanges; a retry
     // published from now on fails at its publisher (404) instead of vanishing.
@@ -448,6 +470,7 @@ async fn delete_delay(
     // alternate is gone, so nothing can reach the queue when it is counted again.
     ops.delete_exchange(&parking).await?;
     ops.delete_exchange(&cfg.settings_name()).await?;
+    tokio::time::sleep(IN_FLIGHT).await;
     let result = match ops.count(&parking).await? {
         Some(n) if n > 0 => Err(Refusal {
             non_empty: vec![QueueCount {
