@@ -109,9 +109,9 @@ fn whole_url(piece: &str) -> bool {
 }
 
 /// Where the userinfo would start in `url`: after its scheme (and `//`, when present:
-/// `amqp:app:pw@host` is masked too), else after the first `://` (a URL in quotes, or with a
-/// stray character before it), else at the start: text that is not a URL must still lose what
-/// could be a password.
+/// `amqp:app:pw@host` is masked too), else after the first `://` when nothing before it can be
+/// part of a userinfo (a URL in quotes, or with a stray character before it), else at the start:
+/// text that is not a URL must still lose what could be a password (`:app:pw@h; x://a:b@c`).
 fn userinfo_start(url: &str) -> usize {
     let lead = url.len() - url.trim_start().len();
     if let Some(n) = scheme_len(&url[lead..]) {
@@ -122,7 +122,10 @@ fn userinfo_start(url: &str) -> usize {
             after
         };
     }
-    url.find("://").map_or(0, |i| i + 3)
+    match url.find("://") {
+        Some(i) if !url[..i].contains([':', '@']) => i + 3,
+        _ => 0,
+    }
 }
 
 fn redact_one(url: &str) -> String {
@@ -263,6 +266,23 @@ impl BrokerUrl {
             // amq-protocol-uri's message can quote the whole URL, password included.
             reason: scrub_with(&e.replace(raw, &redacted), &secrets),
         })?;
+        // Redaction masks from the first `:` of the userinfo to the last `@`; the parser ends
+        // the authority at the first `/`, `?` or `#`. Where the two disagree
+        // (`amqp://u:p@ss/word@host` connects to host `ss`; `amqp://u:pw@rabbit/team@prod` has
+        // a vhost holding `@`), the host, port or vhost would show part of what the user meant
+        // as the password, and scrubbing would miss the password the parser found.
+        if let Some((start, end)) = password_range(raw) {
+            let masked = percent_decode_str(&raw[start..end]).decode_utf8_lossy();
+            if masked != uri.authority.userinfo.password {
+                return Err(UrlError::Invalid {
+                    redacted,
+                    reason: "its password cannot be told apart from the rest: percent-encode \
+                             `@`, `/`, `?`, `#` and `:` in the password (%40, %2F, %3F, %23, \
+                             %3A) and `@` in the vhost or the query (%40)"
+                        .into(),
+                });
+            }
+        }
         if uri.scheme == AMQPScheme::AMQPS && !TLS_ENABLED {
             return Err(UrlError::TlsDisabled { redacted });
         }
@@ -634,6 +654,42 @@ mod tests {
             let e = BrokerUrl::parse(raw).unwrap_err();
             assert!(!format!("{e} {e:?}").contains("quoted-pw"), "{e}");
         }
+    }
+
+    #[test]
+    fn a_url_whose_password_the_parser_reads_otherwise_is_refused() {
+        for raw in [
+            // The parser would connect to host `ss` and call the rest the vhost.
+            "amqp://u:p@ss/word@rabbit/%2f",
+            // An `@` in the vhost: the parser's password is only `s3cret`.
+            "amqp://app:s3cret@rabbit/team@prod",
+            "amqp://app:s3cret@rabbit/%2f?x=@y",
+            // No `//`: the parser would take it all as the vhost.
+            "amqp:/app:s3cret@rabbit",
+        ] {
+            let e = BrokerUrl::parse(raw).unwrap_err();
+            assert!(matches!(e, UrlError::Invalid { .. }), "{raw}: {e}");
+            let shown = format!("{e} {e:?}");
+            for piece in ["s3cret", "p@ss", "ss/word"] {
+                assert!(!shown.contains(piece), "{raw}: {shown}");
+            }
+        }
+        // Percent-encoded, both read the same: accepted, and the password is scrubbed alone.
+        let url = BrokerUrl::parse("amqp://app:s3cret@rabbit/team%40prod").unwrap();
+        assert_eq!(url.vhost(), "team@prod");
+        assert_eq!(url.scrub("refused s3cret"), "refused ***");
+        let url = BrokerUrl::parse("amqp://u:p%40ss%2Fword@rabbit/%2f").unwrap();
+        assert_eq!(url.endpoint(), "rabbit:5672");
+    }
+
+    #[test]
+    fn text_before_a_later_scheme_is_masked_from_its_start() {
+        let raw = ":app:pw-early@h; x://a:b@c";
+        assert!(!redact(raw).contains("pw-early"), "{}", redact(raw));
+        let e = BrokerUrl::parse(raw).unwrap_err();
+        assert!(!format!("{e} {e:?}").contains("pw-early"), "{e}");
+        let e = BrokerUrl::parse_list(raw).unwrap_err();
+        assert!(!format!("{e} {e:?}").contains("pw-early"), "{e}");
     }
 
     #[test]
