@@ -440,28 +440,30 @@ fn sanitize_content_header(payload: &[u8], frame_max: u32) -> Option<Vec<u8>> {
     if repaired.is_empty() && matches!(rewrite, Ok(None)) && payload.len() <= limit {
         return None;
     }
-    let mut notes = Vec::new();
-    let mut table = match rewrite {
-        Ok(None) => table_src.map_or_else(Vec::new, |(s, e)| payload[s..e].to_vec()),
-        Ok(Some(rewritten)) => {
-            if let Some(note) = rewritten.note {
-                notes.push(note);
-            }
-            rewritten.entries
-        }
-        Err(Malformed) => {
-            notes.push("the header table cannot be read: removed on receipt".to_owned());
-            Vec::new()
-        }
+    let (table, table_note) = match rewrite {
+        Ok(None) => (
+            table_src.map_or_else(Vec::new, |(s, e)| payload[s..e].to_vec()),
+            None,
+        ),
+        Ok(Some(rewritten)) => (rewritten.entries, rewritten.note),
+        Err(Malformed) => (
+            Vec::new(),
+            Some("the header table cannot be read: removed on receipt".to_owned()),
+        ),
     };
-    if !repaired.is_empty() {
-        notes.push(format!(
+    let repaired_note = (!repaired.is_empty()).then(|| {
+        format!(
             "properties that are not UTF-8 were repaired on receipt (each invalid byte \
              replaced by '?'): {}",
             repaired.join(", ")
-        ));
-    }
-    let assemble = |table: &[u8], notes: &[String]| {
+        )
+    });
+    // The payload with `table` and the marker holding the notes, in this order.
+    let assemble = |table: &[u8], table_note: Option<String>| {
+        let notes: Vec<String> = table_note
+            .into_iter()
+            .chain(repaired_note.clone())
+            .collect();
         let mut table = table.to_vec();
         if !notes.is_empty() {
             push_entry(&mut table, HEADERS_REMOVED.as_bytes(), &notes.join("; "));
@@ -475,21 +477,18 @@ fn sanitize_content_header(payload: &[u8], frame_max: u32) -> Option<Vec<u8>> {
         out.extend_from_slice(&after);
         out
     };
-    let mut rebuilt = assemble(&table, &notes);
-    if rebuilt.len() > limit {
-        let table_len = table_src.map_or(0, |(s, e)| e - s);
-        notes.retain(|n| n.starts_with("properties"));
-        notes.insert(
-            0,
-            format!(
-                "the header table ({table_len} bytes) does not fit the frame size \
-                 ({frame_max} bytes): removed on receipt"
-            ),
-        );
-        table.clear();
-        rebuilt = assemble(&table, &notes);
+    let rebuilt = assemble(&table, table_note);
+    if rebuilt.len() <= limit {
+        return Some(rebuilt);
     }
-    Some(rebuilt)
+    let table_len = table_src.map_or(0, |(s, e)| e - s);
+    Some(assemble(
+        &[],
+        Some(format!(
+            "the header table ({table_len} bytes) does not fit the frame size ({frame_max} \
+             bytes): removed on receipt"
+        )),
+    ))
 }
 
 /// A header table lapin cannot parse (truncated, an unknown type, a key that is not UTF-8).
@@ -893,6 +892,12 @@ mod tests {
         frame(FRAME_HEADER, 1, &payload)
     }
 
+    /// Appends `s` as an AMQP short string (a length byte, then the bytes as they are).
+    fn short(p: &mut Vec<u8>, s: &[u8]) {
+        p.push(s.len() as u8);
+        p.extend_from_slice(s);
+    }
+
     fn frame(kind: u8, channel: u16, payload: &[u8]) -> Vec<u8> {
         let mut f = vec![kind];
         f.extend_from_slice(&channel.to_be_bytes());
@@ -1035,10 +1040,6 @@ mod tests {
         }
         let mut p = vec![0, 60, 0, 0, 0, 0, 0, 0, 0, 0, 0, 3];
         p.extend_from_slice(&flags.to_be_bytes());
-        let short = |p: &mut Vec<u8>, s: &[u8]| {
-            p.push(s.len() as u8);
-            p.extend_from_slice(s);
-        };
         short(&mut p, content_type);
         if let Some(table) = headers {
             p.extend_from_slice(&(table.len() as u32).to_be_bytes());
@@ -1111,10 +1112,6 @@ mod tests {
 
     #[test]
     fn routing_keys_and_exchanges_that_are_not_utf8_are_repaired() {
-        let short = |p: &mut Vec<u8>, s: &[u8]| {
-            p.push(s.len() as u8);
-            p.extend_from_slice(s);
-        };
         // basic.deliver: consumer tag, delivery tag, redelivered, exchange, routing key.
         let mut deliver = vec![0, 60, 0, 60];
         short(&mut deliver, b"ctag");

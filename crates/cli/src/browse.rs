@@ -181,10 +181,7 @@ impl Reader {
                 Ok(None) => return Ok(None),
                 Err(_) if started.elapsed() >= PATIENCE => return Ok(None),
                 Err(_) => {
-                    let alone = declare_passive(&self.channel, &self.queue)
-                        .await
-                        .with_context(|| format!("cannot count the consumers of '{}'", self.queue))?
-                        .is_some_and(|q| q.consumer_count() <= 1);
+                    let alone = self.counts().await?.is_some_and(|c| c.consumers <= 1);
                     if !alone {
                         return Ok(None);
                     }
@@ -251,7 +248,7 @@ impl Reader {
         if self.outstanding == 0 {
             return Ok(());
         }
-        let Some(before) = self.ready().await? else {
+        let Some(before) = self.counts().await?.map(|c| c.messages) else {
             return Ok(());
         };
         self.channel
@@ -268,7 +265,7 @@ impl Reader {
         let deadline = Instant::now() + IDLE;
         // Someone else consuming the queue meanwhile can keep it below the target: then this
         // waits `IDLE` and lets the command end anyway, since the messages are back either way.
-        while let Some(ready) = self.ready().await? {
+        while let Some(ready) = self.counts().await?.map(|c| c.messages) {
             if u64::from(ready) >= target || Instant::now() >= deadline {
                 break;
             }
@@ -277,13 +274,16 @@ impl Reader {
         Ok(())
     }
 
-    /// Ready messages of the queue, by a passive declare on the reader's own channel; `None`
-    /// when the queue was deleted meanwhile (which closes the channel).
-    async fn ready(&self) -> anyhow::Result<Option<u32>> {
+    /// The queue's counts, by a passive declare on the reader's own channel; `None` when the
+    /// queue was deleted meanwhile (which closes the channel).
+    async fn counts(&self) -> anyhow::Result<Option<QueueCounts>> {
         let q = declare_passive(&self.channel, &self.queue)
             .await
             .with_context(|| format!("cannot count the messages of '{}'", self.queue))?;
-        Ok(q.map(|q| q.message_count()))
+        Ok(q.map(|q| QueueCounts {
+            messages: q.message_count(),
+            consumers: q.consumer_count(),
+        }))
     }
 }
 

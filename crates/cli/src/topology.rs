@@ -423,30 +423,31 @@ async fn delete_delay(
         ops.unbind(name, name, key).await?;
     }
     tokio::time::sleep(IN_FLIGHT).await;
-    let mut present = Vec::new();
-    let mut arrived = Vec::new();
-    for (name, _) in &levels {
-        match ops.count(name).await? {
-            None => {}
-            Some(0) => present.push(name.clone()),
-            Some(n) => arrived.push(QueueCount {
-                queue: name.clone(),
-                messages: n,
-            }),
+    // The level queues that exist, with what they hold now.
+    let mut counted = Vec::new();
+    for (name, key) in &levels {
+        if let Some(n) = ops.count(name).await? {
+            counted.push((name, key, n));
         }
     }
+    let arrived: Vec<QueueCount> = counted
+        .iter()
+        .filter(|(_, _, n)| *n > 0)
+        .map(|(name, _, n)| QueueCount {
+            queue: (*name).clone(),
+            messages: *n,
+        })
+        .collect();
     if !arrived.is_empty() {
         // Put the ways in back: every queue stays as it was.
-        for (name, key) in &levels {
-            if present.contains(name) || arrived.iter().any(|a| &a.queue == name) {
-                ops.bind(name, name, key).await.with_context(|| {
-                    format!(
-                        "messages arrived in the delay queues while deleting, so nothing was \
-                         deleted, but binding '{name}' to its exchange again failed: declare \
-                         the delay infrastructure again (`redeliver topology declare`)"
-                    )
-                })?;
-            }
+        for (name, key, _) in &counted {
+            ops.bind(name, name, key).await.with_context(|| {
+                format!(
+                    "messages arrived in the delay queues while deleting, so nothing was \
+                     deleted, but binding '{name}' to its exchange again failed: declare the \
+                     delay infrastructure again (`redeliver topology declare`)"
+                )
+            })?;
         }
         ops.close().await;
         return Ok(Err(Refusal {
@@ -455,9 +456,9 @@ async fn delete_delay(
         }));
     }
     let mut deleted = Vec::new();
-    for name in present {
-        ops.delete_queue(&name).await?;
-        deleted.push(name);
+    for (name, _, _) in counted {
+        ops.delete_queue(name).await?;
+        deleted.push(name.clone());
     }
     // No level queue is left, so nothing is waiting to expire into these exchanges; a retry
     // published from now on fails at its publisher (404) instead of vanishing.

@@ -8,11 +8,9 @@
 mod common;
 
 use common::*;
-use lapin::options::{
-    BasicPublishOptions, ConfirmSelectOptions, ExchangeDeclareOptions, QueueBindOptions,
-};
+use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
 use lapin::types::{AMQPValue, ByteArray, DecimalValue, FieldArray, FieldTable, LongString};
-use lapin::{BasicProperties, Connection, ExchangeKind};
+use lapin::{BasicProperties, Connection};
 use redeliver_amqp::headers;
 use redeliver_testkit::{connect, message_ids, ready_count as count};
 use serde_json::Value;
@@ -270,27 +268,7 @@ async fn hostile_dead_letters_never_break_the_cli() {
     let dlq = format!("{q}.dlq");
     // Auto-delete: it goes with its binding when the cleanup deletes the DLQ.
     let fanout = format!("{p}poison.fanout");
-    let ch = conn.create_channel().await.expect("channel");
-    ch.exchange_declare(
-        fanout.as_str().into(),
-        ExchangeKind::Fanout,
-        ExchangeDeclareOptions {
-            auto_delete: true,
-            ..ExchangeDeclareOptions::default()
-        },
-        FieldTable::default(),
-    )
-    .await
-    .expect("declare the fanout");
-    ch.queue_bind(
-        dlq.as_str().into(),
-        fanout.as_str().into(),
-        "".into(),
-        QueueBindOptions::default(),
-        FieldTable::default(),
-    )
-    .await
-    .expect("bind the DLQ");
+    redeliver_testkit::fanout_to(&conn, &fanout, &dlq).await;
 
     let messages = hostile_messages(&q);
     for m in &messages {

@@ -97,38 +97,14 @@ async fn dlq_commands_survive_the_deepest_headers() {
 /// receipt and marked, and every command goes on.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dlq_commands_survive_properties_and_routing_keys_that_are_not_utf8() {
-    use redeliver_worker::lapin::options::{
-        ExchangeDeclareOptions, ExchangeDeleteOptions, QueueBindOptions,
-    };
-    use redeliver_worker::lapin::types::FieldTable;
-    use redeliver_worker::lapin::ExchangeKind;
-
     let conn = connect().await;
     let p = prefix();
     let _cleanup = Cleanup::new(&p, &["uq"]);
-    let _objects = redeliver_testkit::Cleanup(p.clone());
     declare("uq", &p, &[]);
     let q = format!("{p}uq");
     let dlq = format!("{q}.dlq");
     let fanout = format!("{p}fanout");
-    let ch = conn.create_channel().await.unwrap();
-    ch.exchange_declare(
-        fanout.as_str().into(),
-        ExchangeKind::Fanout,
-        ExchangeDeclareOptions::default(),
-        FieldTable::default(),
-    )
-    .await
-    .unwrap();
-    ch.queue_bind(
-        dlq.as_str().into(),
-        fanout.as_str().into(),
-        "".into(),
-        QueueBindOptions::default(),
-        FieldTable::default(),
-    )
-    .await
-    .unwrap();
+    redeliver_testkit::fanout_to(&conn, &fanout, &dlq).await;
 
     let (url, target, fan) = (amqp_url(), dlq.clone(), fanout.clone());
     tokio::task::spawn_blocking(move || {
@@ -181,7 +157,4 @@ async fn dlq_commands_survive_properties_and_routing_keys_that_are_not_utf8() {
         done.stdout
     );
     assert_eq!(count(&conn, &dlq).await, 0);
-    ch.exchange_delete(fanout.as_str().into(), ExchangeDeleteOptions::default())
-        .await
-        .unwrap();
 }

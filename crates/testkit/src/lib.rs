@@ -18,10 +18,10 @@ use std::time::{Duration, Instant};
 use lapin::message::{BasicGetMessage, Delivery};
 use lapin::options::{
     BasicAckOptions, BasicConsumeOptions, BasicGetOptions, BasicQosOptions, BasicRejectOptions,
-    QueueDeclareOptions,
+    ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions,
 };
 use lapin::types::{AMQPValue, FieldTable};
-use lapin::{BasicProperties, Channel, Connection, ConnectionProperties};
+use lapin::{BasicProperties, Channel, Connection, ConnectionProperties, ExchangeKind};
 
 pub mod examples;
 pub mod fixtures;
@@ -195,6 +195,38 @@ pub async fn queue_exists(conn: &Connection, queue: &str) -> bool {
         Err(e) if redeliver_amqp::is_not_found(&e) => false,
         Err(e) => panic!("passive declare of {queue}: {e}"),
     }
+}
+
+/// Declares `exchange`, a fanout exchange bound to `queue`: it routes a message whatever its
+/// routing key (bytes that are not UTF-8, `#`), which the default exchange cannot. Auto-delete:
+/// it goes with its binding when the queue is deleted.
+///
+/// # Panics
+///
+/// When the broker refuses the declare or the binding.
+pub async fn fanout_to(conn: &Connection, exchange: &str, queue: &str) {
+    let ch = conn.create_channel().await.expect("channel");
+    ch.exchange_declare(
+        exchange.into(),
+        ExchangeKind::Fanout,
+        ExchangeDeclareOptions {
+            auto_delete: true,
+            ..ExchangeDeclareOptions::default()
+        },
+        FieldTable::default(),
+    )
+    .await
+    .unwrap_or_else(|e| panic!("declare the fanout exchange {exchange}: {e}"));
+    ch.queue_bind(
+        queue.into(),
+        exchange.into(),
+        "".into(),
+        QueueBindOptions::default(),
+        FieldTable::default(),
+    )
+    .await
+    .unwrap_or_else(|e| panic!("bind {queue} to {exchange}: {e}"));
+    let _ = ch.close(200, "ok".into()).await;
 }
 
 /// Ready messages in `queue` right now ([`queue_depth`]).

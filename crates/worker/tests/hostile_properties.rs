@@ -18,9 +18,8 @@ use common::*;
 use consuming::run_consuming;
 use redeliver_amqp::{headers_removed, TlsConfig};
 use redeliver_testkit::{amqp_url, poll_get, wait_count};
-use redeliver_worker::lapin::options::{BasicAckOptions, ExchangeDeclareOptions, QueueBindOptions};
-use redeliver_worker::lapin::types::FieldTable;
-use redeliver_worker::lapin::{ConnectionProperties, ExchangeKind};
+use redeliver_worker::lapin::options::BasicAckOptions;
+use redeliver_worker::lapin::ConnectionProperties;
 use redeliver_worker::{CancellationToken, Context, Json, QueueType, Worker};
 
 #[derive(serde::Deserialize)]
@@ -36,26 +35,9 @@ async fn properties_and_routing_keys_that_are_not_utf8_do_not_stop_the_worker() 
         fixture("badutf8", QueueType::Classic, 1, QueueType::Classic).await;
     topo.declare(&conn).await.unwrap();
     let url = amqp_url();
-    // A fanout exchange bound to the queue takes any routing key, as a topic `#` binding would.
+    // A fanout exchange takes any routing key, bytes that are not UTF-8 included.
     let fanout = format!("{}fanout", names.prefix);
-    let ch = conn.create_channel().await.unwrap();
-    ch.exchange_declare(
-        fanout.as_str().into(),
-        ExchangeKind::Fanout,
-        ExchangeDeclareOptions::default(),
-        FieldTable::default(),
-    )
-    .await
-    .unwrap();
-    ch.queue_bind(
-        queue.as_str().into(),
-        fanout.as_str().into(),
-        "".into(),
-        QueueBindOptions::default(),
-        FieldTable::default(),
-    )
-    .await
-    .unwrap();
+    redeliver_testkit::fanout_to(&conn, &fanout, &queue).await;
 
     let body = b"{\"n\":1}";
     let json = b"application/json";
