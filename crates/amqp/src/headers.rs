@@ -46,6 +46,20 @@ pub const DEAD_LETTER_ERROR_MAX_BYTES: usize = 4096;
 /// Set on a copy whose malformed `x-death` the worker removed before the broker could read it
 /// (see [`sanitize_x_death`]); the value names what was removed.
 pub const SANITIZED: &str = "x-redeliver-sanitized";
+/// The queue a forwarded message was consumed from (the worker's `Forward` outcome).
+pub const FORWARDED_FROM: &str = "x-redeliver-forwarded-from";
+/// Why it was forwarded: `timeout` (the handler's time limit), `handler` (the handler asked
+/// for it) or `classified` (the policy's classifier named the error).
+pub const FORWARD_REASON: &str = "x-redeliver-forward-reason";
+/// The error of the attempt that was forwarded, with its `source()` chain, truncated to
+/// [`DEAD_LETTER_ERROR_MAX_BYTES`].
+pub const FORWARD_ERROR: &str = "x-redeliver-forward-error";
+/// Attempts made in the queue it came from (long-long int, 1 when forwarded at the first).
+pub const FORWARD_ATTEMPTS: &str = "x-redeliver-forward-attempts";
+/// When it was forwarded, RFC 3339.
+pub const FORWARDED_AT: &str = "x-redeliver-forwarded-at";
+/// The connection name of the worker that forwarded it.
+pub const FORWARDED_BY: &str = "x-redeliver-forwarded-by";
 /// Maximum size of [`LAST_ERROR`] in bytes.
 pub const LAST_ERROR_MAX_BYTES: usize = 1024;
 
@@ -406,6 +420,99 @@ pub fn dead_letter_headers(
         t.insert(ORIGINAL_EXPIRATION.into(), text(e));
     }
     let mut table = FieldTable::from(t);
+    info.write(&mut table);
+    table
+}
+
+/// Where a forwarded message came from and why, written on the copy the worker forwards.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ForwardInfo {
+    /// [`FORWARDED_FROM`].
+    pub from: String,
+    /// [`FORWARD_REASON`].
+    pub reason: String,
+    /// [`FORWARD_ERROR`].
+    pub error: Option<String>,
+    /// [`FORWARD_ATTEMPTS`].
+    pub attempts: Option<u64>,
+    /// [`FORWARDED_AT`].
+    pub at: Option<String>,
+    /// [`FORWARDED_BY`].
+    pub by: Option<String>,
+}
+
+impl ForwardInfo {
+    /// Reads it back; `None` when the message was not forwarded. Tolerant like
+    /// [`RetryState::read`].
+    pub fn read(headers: Option<&FieldTable>) -> Option<Self> {
+        let t = headers?;
+        let get = |k: &str| t.inner().get(k);
+        let text = |k: &str| get(k).and_then(as_string).filter(|s| !s.is_empty());
+        Some(Self {
+            from: text(FORWARDED_FROM)?,
+            reason: text(FORWARD_REASON).unwrap_or_default(),
+            error: text(FORWARD_ERROR).map(|e| truncate_to(&e, DEAD_LETTER_ERROR_MAX_BYTES)),
+            attempts: get(FORWARD_ATTEMPTS).and_then(as_u64_long),
+            at: text(FORWARDED_AT).filter(|s| s.len() <= 64),
+            by: text(FORWARDED_BY),
+        })
+    }
+
+    /// Writes it into `headers` as strings and a long-long int, which the management UI shows.
+    pub fn write(&self, headers: &mut FieldTable) {
+        let text = |s: &str| AMQPValue::LongString(LongString::from(s.as_bytes()));
+        headers.insert(FORWARDED_FROM.into(), text(&self.from));
+        headers.insert(FORWARD_REASON.into(), text(&self.reason));
+        if let Some(e) = &self.error {
+            headers.insert(
+                FORWARD_ERROR.into(),
+                text(&truncate_to(e, DEAD_LETTER_ERROR_MAX_BYTES)),
+            );
+        }
+        if let Some(n) = self.attempts {
+            headers.insert(
+                FORWARD_ATTEMPTS.into(),
+                AMQPValue::LongLongInt(i64::try_from(n).unwrap_or(i64::MAX)),
+            );
+        }
+        if let Some(at) = &self.at {
+            headers.insert(FORWARDED_AT.into(), text(at));
+        }
+        if let Some(by) = &self.by {
+            headers.insert(FORWARDED_BY.into(), text(by));
+        }
+    }
+}
+
+/// Headers of a forwarded copy: the original's user headers (trace context included) without
+/// the broker's delivery bookkeeping and without any `x-redeliver-*` header, so that the
+/// destination starts the message's retries afresh under its own policy, then `info`.
+///
+/// ```
+/// use redeliver_amqp::headers::{forward_headers, ForwardInfo, ATTEMPT, FORWARDED_FROM};
+/// use redeliver_amqp::lapin::types::{AMQPValue, FieldTable};
+///
+/// let mut orig = FieldTable::default();
+/// orig.insert("tenant".into(), AMQPValue::LongString("acme".into()));
+/// orig.insert(ATTEMPT.into(), AMQPValue::LongLongInt(2));
+/// orig.insert("x-death".into(), AMQPValue::Void);
+/// let info = ForwardInfo { from: "images".into(), reason: "timeout".into(), ..Default::default() };
+/// let copy = forward_headers(Some(&orig), &info);
+/// assert!(copy.contains_key("tenant"));
+/// assert!(!copy.contains_key(ATTEMPT) && !copy.contains_key("x-death"));
+/// assert_eq!(ForwardInfo::read(Some(&copy)), Some(info));
+/// ```
+pub fn forward_headers(original: Option<&FieldTable>, info: &ForwardInfo) -> FieldTable {
+    let map: BTreeMap<ShortString, AMQPValue> = original
+        .map(|t| {
+            t.inner()
+                .iter()
+                .filter(|(k, _)| !is_broker_header(k.as_str()) && !k.as_str().starts_with(PREFIX))
+                .map(|(k, v)| (k.clone(), v.clone()))
+                .collect()
+        })
+        .unwrap_or_default();
+    let mut table = FieldTable::from(map);
     info.write(&mut table);
     table
 }

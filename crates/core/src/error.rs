@@ -21,6 +21,11 @@ pub enum ErrorKind {
     /// The handler did not say; the policy's [`Classifier`] decides. This is what an
     /// [`anyhow::Error`] converts to.
     Unclassified,
+    /// Send the message on to the policy's [`Forward`](crate::Forward) destination (Celery: a
+    /// task past its time limit sent to a bigger queue). Retried here like a transient error
+    /// until the destination's [`after_attempts`](crate::Forward::after_attempts); without a
+    /// destination the message is dead-lettered (reason `forward_unconfigured`).
+    Forward,
 }
 
 #[derive(Debug)]
@@ -77,6 +82,11 @@ impl HandlerError {
     /// against `max_retries`.
     pub fn retry_after(d: Duration, e: impl Into<BoxError>) -> Self {
         Self::new(ErrorKind::RetryAfter(d), e)
+    }
+
+    /// A failure to send on to the policy's [`Forward`](crate::Forward) destination.
+    pub fn forward(e: impl Into<BoxError>) -> Self {
+        Self::new(ErrorKind::Forward, e)
     }
 
     /// An error whose kind the policy's [`Classifier`] decides.
@@ -226,6 +236,13 @@ impl Classifier {
         self.rule(|e| e.is::<E>().then_some(ErrorKind::Permanent))
     }
 
+    /// Unclassified errors containing an `E` are forwarded to the policy's
+    /// [`Forward`](crate::Forward) destination; [`TimedOut`](crate::TimedOut) names handler
+    /// timeouts.
+    pub fn forward_on<E: Error + Send + Sync + 'static>(self) -> Self {
+        self.rule(|e| e.is::<E>().then_some(ErrorKind::Forward))
+    }
+
     /// A custom rule, called on the error and then on each of its sources, outermost first; the
     /// first `Some` decides (`Some(ErrorKind::Unclassified)` counts as no answer).
     ///
@@ -264,15 +281,25 @@ impl Classifier {
     }
 
     /// The effective kind of `err`: its own kind if the handler gave one, else the first
-    /// matching rule's, else the default. Never [`ErrorKind::Unclassified`].
+    /// matching rule's, else transient for a handler timeout ([`TimedOut`](crate::TimedOut)),
+    /// else the default. Never [`ErrorKind::Unclassified`].
     pub fn classify(&self, err: &HandlerError) -> ErrorKind {
         if err.kind() != ErrorKind::Unclassified {
             return err.kind();
         }
-        self.rules
+        if let Some(kind) = self
+            .rules
             .iter()
             .find_map(|r| r(err).filter(|k| *k != ErrorKind::Unclassified))
-            .unwrap_or(self.default)
+        {
+            return kind;
+        }
+        // A timeout says nothing about the message: even a permanent-by-default policy retries
+        // it, as it did when timeouts were reported as transient errors.
+        if err.is::<crate::TimedOut>() {
+            return ErrorKind::Transient;
+        }
+        self.default
     }
 }
 

@@ -132,6 +132,7 @@ mod backoff;
 mod budget;
 mod clock;
 mod error;
+mod forward;
 mod jitter;
 mod policy;
 
@@ -139,5 +140,6 @@ pub use backoff::Backoff;
 pub use budget::{BudgetConfig, BudgetExhausted, RetryBudget};
 pub use clock::{Clock, ManualClock, SystemClock};
 pub use error::{BoxError, Classifier, ErrorKind, HandlerError};
+pub use forward::{Forward, TimedOut};
 pub use jitter::Jitter;
 pub use policy::{DeadLetterReason, Decision, RetryPolicy, DEFAULT_CAP, DEFAULT_MAX_RETRIES};

@@ -10,6 +10,7 @@ use rand::SeedableRng;
 use crate::backoff::Backoff;
 use crate::budget::{BudgetExhausted, RetryBudget};
 use crate::error::{Classifier, ErrorKind, HandlerError};
+use crate::forward::Forward;
 use crate::jitter::Jitter;
 
 /// Cap of [`RetryPolicy::exponential`] unless [`RetryPolicy::cap`] sets another.
@@ -20,6 +21,7 @@ pub const DEFAULT_MAX_RETRIES: u32 = 5;
 
 /// What to do with a failed delivery.
 #[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum Decision {
     /// Publish a copy that comes back after `delay`.
     Retry {
@@ -30,10 +32,13 @@ pub enum Decision {
     },
     /// Reject the delivery so that the broker dead-letters it.
     DeadLetter(DeadLetterReason),
+    /// Publish a copy to the policy's [`Forward`] destination, then ack the original.
+    Forward(Forward),
 }
 
 /// Why a message is dead-lettered.
 #[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum DeadLetterReason {
     /// The error is permanent.
     Permanent,
@@ -44,16 +49,19 @@ pub enum DeadLetterReason {
     },
     /// The retry budget is empty and configured to dead-letter.
     BudgetExhausted,
+    /// The error is of the forward kind but the policy has no [`Forward`] destination.
+    ForwardUnconfigured,
 }
 
 impl DeadLetterReason {
-    /// A stable machine-readable name: `"permanent"`, `"retries_exhausted"` or
-    /// `"budget_exhausted"`.
+    /// A stable machine-readable name: `"permanent"`, `"retries_exhausted"`,
+    /// `"budget_exhausted"` or `"forward_unconfigured"`.
     pub fn as_str(&self) -> &'static str {
         match self {
             DeadLetterReason::Permanent => "permanent",
             DeadLetterReason::RetriesExhausted { .. } => "retries_exhausted",
             DeadLetterReason::BudgetExhausted => "budget_exhausted",
+            DeadLetterReason::ForwardUnconfigured => "forward_unconfigured",
         }
     }
 }
@@ -97,7 +105,10 @@ impl fmt::Display for DeadLetterReason {
 ///
 /// Rules of [`decide`](Self::decide), in order:
 /// 1. the error is classified (see [`Classifier`]); permanent →
-///    [`DeadLetterReason::Permanent`];
+///    [`DeadLetterReason::Permanent`]; forward kind (see [`Forward`]) → [`Decision::Forward`]
+///    once the destination's `after_attempts` is reached, or
+///    [`DeadLetterReason::ForwardUnconfigured`] without a destination; before that it goes on
+///    like a transient error;
 /// 2. `retries_so_far >= max_retries` → [`DeadLetterReason::RetriesExhausted`] (this also
 ///    bounds [`ErrorKind::RetryAfter`] errors);
 /// 3. the delay is the error's `RetryAfter` delay as given, or else the backoff with jitter;
@@ -113,6 +124,7 @@ pub struct RetryPolicy {
     granularity: Duration,
     classifier: Classifier,
     budget: Option<RetryBudget>,
+    forward: Option<Forward>,
     rng: Arc<Mutex<StdRng>>,
 }
 
@@ -131,6 +143,7 @@ impl RetryPolicy {
             granularity: Duration::ZERO,
             classifier: Classifier::default(),
             budget: None,
+            forward: None,
             rng: Arc::new(Mutex::new(os_seeded_rng())),
         }
     }
@@ -283,6 +296,19 @@ impl RetryPolicy {
         self
     }
 
+    /// Where failures of the forward kind go (none by default): see [`Forward`].
+    ///
+    /// Read it back with [`Self::configured_forward`].
+    pub fn forward(mut self, to: Forward) -> Self {
+        self.forward = Some(to);
+        self
+    }
+
+    /// The forward destination, if any.
+    pub fn configured_forward(&self) -> Option<&Forward> {
+        self.forward.as_ref()
+    }
+
     /// A deterministic RNG (`StdRng::seed_from_u64(seed)`): the same seed and the same calls
     /// give the same delays. Without it the RNG is seeded from the OS.
     pub fn seed(mut self, seed: u64) -> Self {
@@ -334,6 +360,16 @@ impl RetryPolicy {
     ) -> Decision {
         let delay = match self.classifier.classify(err) {
             ErrorKind::Permanent => return Decision::DeadLetter(DeadLetterReason::Permanent),
+            ErrorKind::Forward => match &self.forward {
+                None => return Decision::DeadLetter(DeadLetterReason::ForwardUnconfigured),
+                Some(to) if to.due(retries_so_far) => return Decision::Forward(to.clone()),
+                Some(_) if retries_so_far >= self.max_retries => {
+                    return Decision::DeadLetter(DeadLetterReason::RetriesExhausted {
+                        retries: retries_so_far,
+                    })
+                }
+                Some(_) => self.delay_for(retries_so_far, prev_delay),
+            },
             _ if retries_so_far >= self.max_retries => {
                 return Decision::DeadLetter(DeadLetterReason::RetriesExhausted {
                     retries: retries_so_far,
@@ -404,6 +440,7 @@ impl fmt::Debug for RetryPolicy {
             .field("granularity", &self.granularity)
             .field("classifier", &self.classifier)
             .field("budget", &self.budget)
+            .field("forward", &self.forward)
             .finish_non_exhaustive()
     }
 }
@@ -437,6 +474,76 @@ mod tests {
 
     fn transient() -> HandlerError {
         HandlerError::transient("boom")
+    }
+
+    #[test]
+    fn forward_kind_goes_to_the_destination_from_its_attempt() {
+        use crate::forward::TimedOut;
+        let p = RetryPolicy::constant(ms(10))
+            .max_retries(5)
+            .classifier(Classifier::permanent_by_default().forward_on::<TimedOut>())
+            .forward(Forward::to_queue("heavy").after_attempts(3));
+        let timeout = || HandlerError::unclassified(TimedOut::after(secs(1)));
+        assert_eq!(
+            p.decide(0, None, &timeout()),
+            Decision::Retry {
+                delay: ms(10),
+                attempt: 1
+            }
+        );
+        assert!(matches!(
+            p.decide(1, None, &timeout()),
+            Decision::Retry { attempt: 2, .. }
+        ));
+        assert_eq!(
+            p.decide(2, None, &timeout()),
+            Decision::Forward(Forward::to_queue("heavy").after_attempts(3))
+        );
+        // Explicit from the handler; other errors keep their own rules.
+        assert!(matches!(
+            p.decide(2, None, &HandlerError::forward("too big")),
+            Decision::Forward(_)
+        ));
+        assert_eq!(
+            p.decide(
+                0,
+                None,
+                &HandlerError::unclassified(std::io::Error::other("x"))
+            ),
+            Decision::DeadLetter(DeadLetterReason::Permanent)
+        );
+    }
+
+    #[test]
+    fn forward_without_destination_or_retries_left_dead_letters() {
+        let p = RetryPolicy::constant(ms(10)).max_retries(1);
+        assert_eq!(
+            p.decide(0, None, &HandlerError::forward("x")),
+            Decision::DeadLetter(DeadLetterReason::ForwardUnconfigured)
+        );
+        let p = p.forward(Forward::to_queue("heavy").after_attempts(5));
+        assert!(matches!(
+            p.decide(0, None, &HandlerError::forward("x")),
+            Decision::Retry { .. }
+        ));
+        assert_eq!(
+            p.decide(1, None, &HandlerError::forward("x")),
+            Decision::DeadLetter(DeadLetterReason::RetriesExhausted { retries: 1 })
+        );
+    }
+
+    #[test]
+    fn timeouts_stay_transient_under_a_permanent_default() {
+        use crate::forward::TimedOut;
+        let p = RetryPolicy::constant(ms(10)).classifier(Classifier::permanent_by_default());
+        assert!(matches!(
+            p.decide(
+                0,
+                None,
+                &HandlerError::unclassified(TimedOut::after(secs(1)))
+            ),
+            Decision::Retry { .. }
+        ));
     }
 
     #[test]

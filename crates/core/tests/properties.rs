@@ -155,6 +155,7 @@ proptest! {
             Decision::DeadLetter(r) => {
                 prop_assert_eq!(n, u32::MAX, "dead-lettered early: {:?}", r);
             }
+            other => prop_assert!(false, "a transient error without a forward destination: {:?}", other),
         }
     }
 
