@@ -1,5 +1,6 @@
 //! One delivery, from the consume loop to its settlement: decode, call the handler, decide the
-//! [`Outcome`], [settle](crate::settle) it.
+//! [`Outcome`], [settle](crate::settle) it. Generic over the session's [`Link`] to the broker,
+//! so that every end of a delivery is tested without one (`delivery/tests.rs`).
 
 use std::future::Future;
 use std::panic::AssertUnwindSafe;
@@ -13,10 +14,35 @@ use redeliver_core::HandlerError;
 use tracing::{debug, error, info_span, Instrument, Span};
 
 use crate::handler::{Context, HandlerFuture};
+use crate::meters::Meters;
 use crate::outcome::{self, Outcome, Settled};
 use crate::permits::Permit;
-use crate::settle::{Link, Message, Settle};
+use crate::settle::{Link, Message, Rules, Settle};
 use crate::shared::Shared;
+
+#[cfg(test)]
+mod tests;
+
+/// What a session gives each of its deliveries: its link to the broker, the settling rules,
+/// the metric handles and the queue's name.
+pub(crate) struct Deliveries<L> {
+    pub(crate) link: L,
+    pub(crate) rules: Rules,
+    pub(crate) meters: Meters,
+    /// Shared with every handler's [`Context`] without a copy.
+    pub(crate) queue: Arc<str>,
+}
+
+impl<L> Deliveries<L> {
+    pub(crate) fn new(link: L, rules: Rules, meters: Meters) -> Self {
+        Self {
+            link,
+            meters,
+            queue: Arc::from(rules.queue.as_str()),
+            rules,
+        }
+    }
+}
 
 /// Starts handling `delivery`, which holds one of the worker's concurrency permits until it is
 /// settled.
@@ -25,14 +51,19 @@ use crate::shared::Shared;
 /// without waiting (a filter, an in-memory update) is settled on the spot, which spares a task
 /// and often a wake-up of another runtime thread to steal it. One that waits is spawned, and
 /// its first poll as a task registers the real waker.
-pub(crate) fn start(worker: &Arc<Shared>, link: &Arc<Link>, delivery: Delivery, permit: Permit) {
-    link.acks.register(delivery.delivery_tag);
+pub(crate) fn start<L: Link>(
+    worker: &Arc<Shared>,
+    session: &Arc<Deliveries<L>>,
+    delivery: Delivery,
+    permit: Permit,
+) {
+    session.link.register(delivery.delivery_tag);
     let retry = RetryState::read(delivery.properties.headers().as_ref());
     let task = DeliveryTask {
         worker: Arc::clone(worker),
-        link: Arc::clone(link),
+        session: Arc::clone(session),
         ctx: Context::new(
-            Arc::clone(&link.queue),
+            Arc::clone(&session.queue),
             delivery,
             retry,
             Arc::clone(&worker.draining),
@@ -52,16 +83,16 @@ pub(crate) fn start(worker: &Arc<Shared>, link: &Arc<Link>, delivery: Delivery, 
     }
 }
 
-struct DeliveryTask {
+struct DeliveryTask<L> {
     worker: Arc<Shared>,
-    link: Arc<Link>,
+    session: Arc<Deliveries<L>>,
     /// The handler gets a clone: the delivery and its retry state are read through it, without
     /// a copy, for as long as either side needs them.
     ctx: Context,
     _permit: Permit,
 }
 
-impl DeliveryTask {
+impl<L: Link> DeliveryTask<L> {
     async fn run(self) {
         let delivery = self.ctx.delivery();
         let state = self.ctx.retry();
@@ -91,7 +122,7 @@ impl DeliveryTask {
 
     /// Runs inside `span`, which it records the outcome on.
     async fn process(self, span: Span) {
-        let meters = &self.link.meters;
+        let meters = &self.session.meters;
         let _in_flight = InFlight::enter(&meters.in_flight);
         // The clock is read for the total only if something records it.
         let started =
@@ -100,8 +131,8 @@ impl DeliveryTask {
         let outcome = self.outcome().await;
         let delivery = self.ctx.delivery();
         let settle = Settle {
-            broker: self.link.broker(delivery),
-            rules: &self.link.rules,
+            broker: self.session.link.broker(delivery),
+            rules: &self.session.rules,
             message: Message::of(delivery, self.ctx.retry()),
             meters,
             requeues: &self.worker.requeues,
@@ -134,10 +165,10 @@ impl DeliveryTask {
     async fn outcome(&self) -> Outcome {
         let delivery = self.ctx.delivery();
         let state = self.ctx.retry();
-        if let Some(repaired) = headers::sanitize_x_death(delivery.properties.headers().as_ref()) {
+        if let Some(sanitized) = headers::sanitize_x_death(delivery.properties.headers().as_ref()) {
             // Before anything can make the broker dead-letter it (a reject, or a quorum queue's
             // delivery limit): RabbitMQ crashes reading such a header.
-            return Outcome::Repair(repaired);
+            return Outcome::Sanitize(sanitized);
         }
         if let Some(removed) =
             redeliver_amqp::headers_removed(delivery.properties.headers().as_ref())
@@ -161,7 +192,7 @@ impl DeliveryTask {
             Ok(Ok(fut)) => {
                 let handler_started = Instant::now();
                 let result = self.call(fut).await;
-                self.link
+                self.session
                     .meters
                     .handler_duration
                     .record(handler_started.elapsed().as_secs_f64());

@@ -94,16 +94,21 @@
 #![warn(missing_docs, unreachable_pub, missing_debug_implementations)]
 #![forbid(unsafe_code)]
 
-// The delivery path, top-down: `runtime` (reconnect loop) -> `session` (one connection) ->
-// `delivery` (decode, call, outcome) -> `settle` (ack, retry, dead-letter, requeue, repair).
+// The delivery path, top-down, each step calling only the ones below it: `runtime` (reconnect
+// loop) -> `session` (one connection) -> `delivery` (decode, call the handler) -> `outcome`
+// (what to do) -> `settle` (the rules) -> `copy` (the replacing copies) and `link` (the broker).
 mod acks;
 mod builder;
+mod copy;
 mod delivery;
 pub mod env;
 mod error;
+#[cfg(test)]
+mod fake;
 mod handler;
 #[cfg(feature = "health")]
 pub mod health;
+mod link;
 mod meters;
 pub mod metrics_names;
 mod outcome;

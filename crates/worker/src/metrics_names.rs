@@ -30,16 +30,22 @@ pub const MESSAGES_SUCCEEDED: &str = "redeliver_messages_succeeded_total";
 pub const MESSAGES_RETRIED: &str = "redeliver_messages_retried_total";
 /// Deliveries rejected without requeue so that the broker dead-letters them; label `reason` is one
 /// of [`REASON_PERMANENT`], [`REASON_RETRIES_EXHAUSTED`], [`REASON_BUDGET_EXHAUSTED`],
-/// [`REASON_UNDECODABLE`], [`REASON_TOO_LARGE`], [`REASON_REQUEUE_LIMIT`].
+/// [`REASON_UNDECODABLE`], [`REASON_TOO_LARGE`], [`REASON_REQUEUE_LIMIT`],
+/// [`REASON_FORWARD_UNCONFIGURED`].
 pub const MESSAGES_DEAD_LETTERED: &str = "redeliver_messages_dead_lettered_total";
-/// Deliveries whose malformed `x-death` header the worker removed by republishing a repaired copy
+/// Deliveries sent on to another queue or exchange by the policy's `Forward` destination (the
+/// copy confirmed, then the original acked); label `destination` is the queue's name, or
+/// `exchange/routing key`.
+pub const MESSAGES_FORWARDED: &str = "redeliver_messages_forwarded_total";
+/// Deliveries whose malformed `x-death` header the worker removed by republishing a sanitized copy
 /// to the queue (see [`redeliver_amqp::headers::sanitize_x_death`]); the broker crashes when it
 /// dead-letters such a message.
 pub const MESSAGES_SANITIZED: &str = "redeliver_messages_sanitized_total";
 /// Deliveries the worker gave back to their queue (`basic.reject(requeue = true)`) because the
 /// broker did not confirm the copy that was to replace them; label `reason` is
-/// [`REASON_RETRY_UNCONFIRMED`], [`REASON_REPAIR_UNCONFIRMED`],
-/// [`REASON_DEAD_LETTER_UNCONFIRMED`] or [`REASON_SETTLE_PANICKED`]. Bounded per message by
+/// [`REASON_RETRY_UNCONFIRMED`], [`REASON_SANITIZE_UNCONFIRMED`],
+/// [`REASON_DEAD_LETTER_UNCONFIRMED`], [`REASON_FORWARD_UNCONFIRMED`] or
+/// [`REASON_SETTLE_PANICKED`]. Bounded per message by
 /// `WorkerBuilder::requeue_limit`, past which the message is dead-lettered
 /// ([`REASON_REQUEUE_LIMIT`]).
 pub const MESSAGES_REQUEUED: &str = "redeliver_messages_requeued_total";
@@ -78,6 +84,8 @@ pub const ATTEMPT_TOP_BUCKET: &str = "10+";
 pub const LABEL_STATE: &str = "state";
 /// Label key: why a message was dead-lettered.
 pub const LABEL_REASON: &str = "reason";
+/// Label key: where a message was forwarded, on [`MESSAGES_FORWARDED`].
+pub const LABEL_DESTINATION: &str = "destination";
 
 /// Dead-letter reason: the handler said the error is permanent.
 pub const REASON_PERMANENT: &str = "permanent";
@@ -85,6 +93,11 @@ pub const REASON_PERMANENT: &str = "permanent";
 pub const REASON_RETRIES_EXHAUSTED: &str = "retries_exhausted";
 /// Dead-letter reason: the retry budget refused another retry.
 pub const REASON_BUDGET_EXHAUSTED: &str = "budget_exhausted";
+/// Dead-letter reason: the error is of the forward kind and the policy has no `Forward`
+/// destination.
+pub const REASON_FORWARD_UNCONFIGURED: &str = "forward_unconfigured";
+/// Dead-letter reason: the policy made a decision this worker does not know (a newer core).
+pub const REASON_UNDECIDED: &str = "undecided";
 /// Dead-letter reason: the body could not be decoded (poison pill, never retried).
 pub const REASON_UNDECODABLE: &str = "undecodable";
 /// Dead-letter reason: its retry copy would exceed the broker's `max_message_size`.
@@ -95,7 +108,10 @@ pub const REASON_REQUEUE_LIMIT: &str = "requeue_limit";
 /// Requeue reason: the retry copy was not confirmed by the broker.
 pub const REASON_RETRY_UNCONFIRMED: &str = "retry_unconfirmed";
 /// Requeue reason: the copy without a malformed `x-death` was not confirmed by the broker.
-pub const REASON_REPAIR_UNCONFIRMED: &str = "repair_unconfirmed";
+pub const REASON_SANITIZE_UNCONFIRMED: &str = "sanitize_unconfirmed";
+/// Requeue reason: the forwarded copy was not confirmed (or was returned: the destination is
+/// gone or does not route it).
+pub const REASON_FORWARD_UNCONFIRMED: &str = "forward_unconfirmed";
 /// Requeue reason: the annotated dead letter (`DeadLetterMode::Annotate`) was not confirmed.
 pub const REASON_DEAD_LETTER_UNCONFIRMED: &str = "dead_letter_unconfirmed";
 /// Requeue reason: settling the delivery panicked (a bug: please report it); the message goes

@@ -71,6 +71,17 @@ impl Worker {
         }
     }
 
+    /// What its deliveries share, as a run would make it, without a broker: for the tests of
+    /// whole deliveries.
+    #[cfg(test)]
+    pub(crate) fn shared(&self) -> Arc<Shared> {
+        Arc::new(Shared::new(
+            Arc::clone(&self.config),
+            self.status.blocked_flag(),
+            Pool::default(),
+        ))
+    }
+
     /// The settings it was built with.
     pub fn settings(&self) -> &Settings {
         &self.config.settings

@@ -16,11 +16,12 @@ use tokio_util::sync::CancellationToken;
 use tracing::{debug, error, info, warn};
 
 use crate::acks::AckSender;
-use crate::delivery;
+use crate::delivery::{self, Deliveries};
 use crate::error::WorkerError;
+use crate::link::LapinLink;
 use crate::meters::Meters;
 use crate::metrics_names as m;
-use crate::settle::{Link, Rules};
+use crate::settle::Rules;
 use crate::shared::Shared;
 use crate::status::BlockedFlag;
 
@@ -47,7 +48,7 @@ pub(crate) enum SessionEnd {
 /// A connected, consuming session.
 pub(crate) struct Session {
     connection: Arc<Connection>,
-    link: Arc<Link>,
+    deliveries: Arc<Deliveries<LapinLink>>,
     channel: Channel,
     consumer: Consumer,
     events: futures::stream::BoxStream<'static, Event>,
@@ -143,14 +144,12 @@ impl Session {
             publishing.blocked(),
             worker.blocked.clone(),
         ));
-        let link = match Link::open(
+        let link = match LapinLink::open(
             publishing,
             delay.clone(),
             max_message_size,
             settings.confirm_timeout,
             acks,
-            rules,
-            meters,
         )
         .await
         {
@@ -177,7 +176,7 @@ impl Session {
         ));
         Ok(Session {
             connection: Arc::clone(connection),
-            link: Arc::new(link),
+            deliveries: Arc::new(Deliveries::new(link, rules, meters)),
             channel,
             consumer,
             events,
@@ -225,7 +224,7 @@ impl Session {
             tokio::select! {
                 biased;
                 item = self.consumer.next() => match item {
-                    Some(Ok(d)) => delivery::start(worker, &self.link, d, permit),
+                    Some(Ok(d)) => delivery::start(worker, &self.deliveries, d, permit),
                     Some(Err(e)) => break format!("consumer error: {e}"),
                     None => break if self.connection.status().connected() {
                         "consumer cancelled by the broker (queue deleted?) or channel closed".to_owned()
@@ -288,7 +287,7 @@ impl Session {
         worker.drain_tasks().await;
         // Before the channel closes: acks still batched would otherwise be lost with it, and
         // those messages delivered twice.
-        if tokio::time::timeout(CLOSE_TIMEOUT, self.link.acks.flush())
+        if tokio::time::timeout(CLOSE_TIMEOUT, self.deliveries.link.acks.flush())
             .await
             .is_err()
         {

@@ -1,0 +1,503 @@
+//! Every end of a delivery, from the handler's call to the broker's answer, against a scripted
+//! broker: the list in the crate docs ("Every end of a delivery") is this file's.
+
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use lapin::message::Delivery;
+use lapin::types::{AMQPValue, FieldArray, FieldTable, ShortString};
+use lapin::BasicProperties;
+use redeliver_amqp::headers::{self, ForwardInfo, RetryState};
+use redeliver_core::{Classifier, Forward, HandlerError, Jitter, RetryPolicy, TimedOut};
+
+use super::{start, Deliveries};
+use crate::fake::{nacked, Call, FakeBroker, FakeLink};
+use crate::handler::{Json, Raw};
+use crate::settings::DeadLetterMode;
+use crate::settle::{CopyError, Rules, REQUEUE_PAUSE};
+use crate::shared::Shared;
+use crate::{Context, Worker, WorkerBuilder};
+
+const QUEUE: &str = "orders";
+
+#[derive(serde::Deserialize)]
+struct Order {
+    #[allow(dead_code)]
+    id: u32,
+}
+
+fn policy() -> RetryPolicy {
+    RetryPolicy::exponential(Duration::from_millis(100))
+        .jitter(Jitter::None)
+        .max_retries(3)
+}
+
+fn builder() -> WorkerBuilder {
+    Worker::builder("amqp://guest:guest@127.0.0.1:5672/%2f")
+        .queue(QUEUE)
+        .policy(policy())
+}
+
+fn rules(mode: DeadLetterMode) -> Rules {
+    Rules {
+        queue: QUEUE.into(),
+        dlx: "orders.dlx".into(),
+        dlq: "orders.dlq".into(),
+        mode,
+        requeue_limit: 2,
+        connection_name: "test-worker".into(),
+        max_delay: Duration::from_secs(3600),
+        username: "guest".into(),
+        dead_letters_malformed_x_death: true,
+    }
+}
+
+/// A worker built from `builder` and a session on a scripted broker: what a run would make.
+struct Harness {
+    worker: Arc<Shared>,
+    session: Arc<Deliveries<FakeLink>>,
+}
+
+impl Harness {
+    fn new(builder: WorkerBuilder, mode: DeadLetterMode, broker: FakeBroker) -> Self {
+        let worker = builder.build().expect("valid test settings").shared();
+        let session = Arc::new(Deliveries::new(
+            FakeLink(broker),
+            rules(mode),
+            crate::meters::Meters::new(QUEUE),
+        ));
+        Self { worker, session }
+    }
+
+    fn broker(&self) -> &FakeBroker {
+        &self.session.link.0
+    }
+
+    /// Hands `delivery` to the worker and waits until it is settled (or left unsettled).
+    async fn deliver(&self, delivery: Delivery) {
+        let permit = self
+            .worker
+            .permits
+            .try_take()
+            .expect("a free concurrency permit");
+        start(&self.worker, &self.session, delivery, permit);
+        self.worker.tracker.close();
+        self.worker.tracker.wait().await;
+        self.worker.tracker.reopen();
+    }
+}
+
+fn delivery(body: &[u8], headers: FieldTable) -> Delivery {
+    let mut d = Delivery::mock(
+        1,
+        "shop".into(),
+        "order.created".into(),
+        false,
+        body.to_vec(),
+    );
+    d.properties = BasicProperties::default()
+        .with_message_id("m-1".into())
+        .with_headers(headers);
+    d
+}
+
+fn order() -> Delivery {
+    delivery(br#"{"id": 7}"#, FieldTable::default())
+}
+
+fn published_retry_state(b: &FakeBroker) -> RetryState {
+    RetryState::read(Some(&b.published_headers()))
+}
+
+fn text(h: &FieldTable, name: &str) -> Option<String> {
+    match h.inner().get(&ShortString::from(name)) {
+        Some(AMQPValue::LongString(s)) => Some(String::from_utf8_lossy(s.as_bytes()).into()),
+        _ => None,
+    }
+}
+
+async fn ok(_: Raw, _: Context) -> Result<(), HandlerError> {
+    Ok(())
+}
+
+#[tokio::test]
+async fn success_acks() {
+    let h = Harness::new(
+        builder().handler(|_: Json<Order>, _| async { Ok(()) }),
+        DeadLetterMode::Reject,
+        FakeBroker::new(),
+    );
+    h.deliver(order()).await;
+    assert_eq!(h.broker().calls(), [Call::Ack { success: true }]);
+}
+
+#[tokio::test]
+async fn transient_error_publishes_a_retry_copy_then_acks() {
+    let h = Harness::new(
+        builder().handler(|_: Raw, _| async { Err(HandlerError::transient("503")) }),
+        DeadLetterMode::Reject,
+        FakeBroker::new(),
+    );
+    h.deliver(order()).await;
+    assert_eq!(
+        h.broker().calls(),
+        [
+            Call::PublishDelayed {
+                queue: QUEUE.into(),
+                delay: Duration::from_millis(100)
+            },
+            Call::Ack { success: false },
+        ]
+    );
+    let state = published_retry_state(h.broker());
+    assert_eq!(state.attempt, 1);
+    assert_eq!(state.last_error.as_deref(), Some("503"));
+    assert_eq!(state.original_exchange.as_deref(), Some("shop"));
+}
+
+#[tokio::test]
+async fn retry_after_uses_the_handlers_delay() {
+    let h = Harness::new(
+        builder().handler(|_: Raw, _| async {
+            Err(HandlerError::retry_after(
+                Duration::from_secs(7),
+                "rate limited",
+            ))
+        }),
+        DeadLetterMode::Reject,
+        FakeBroker::new(),
+    );
+    h.deliver(order()).await;
+    assert_eq!(
+        h.broker().calls()[0],
+        Call::PublishDelayed {
+            queue: QUEUE.into(),
+            delay: Duration::from_secs(7)
+        }
+    );
+}
+
+#[tokio::test]
+async fn permanent_error_is_rejected_to_the_dlx_in_reject_mode() {
+    let h = Harness::new(
+        builder().handler(|_: Raw, _| async { Err(HandlerError::permanent("bad order")) }),
+        DeadLetterMode::Reject,
+        FakeBroker::new(),
+    );
+    h.deliver(order()).await;
+    assert_eq!(h.broker().calls(), [Call::Reject { requeue: false }]);
+}
+
+#[tokio::test]
+async fn retries_exhausted_are_published_annotated_in_annotate_mode() {
+    let h = Harness::new(
+        builder().handler(|_: Raw, _| async { Err(HandlerError::transient("still down")) }),
+        DeadLetterMode::Annotate,
+        FakeBroker::new(),
+    );
+    let mut exhausted = FieldTable::default();
+    exhausted.insert(headers::ATTEMPT.into(), AMQPValue::LongLongInt(3));
+    h.deliver(delivery(b"{}", exhausted)).await;
+    assert_eq!(
+        h.broker().calls(),
+        [
+            Call::Publish {
+                exchange: "orders.dlx".into(),
+                routing_key: QUEUE.into()
+            },
+            Call::Ack { success: false },
+        ]
+    );
+    let published = h.broker().published_headers();
+    assert_eq!(
+        text(&published, headers::DEAD_LETTER_REASON).as_deref(),
+        Some("retries_exhausted")
+    );
+    assert_eq!(
+        text(&published, headers::DEAD_LETTER_ERROR).as_deref(),
+        Some("still down")
+    );
+}
+
+#[tokio::test]
+async fn a_body_that_does_not_decode_is_dead_lettered_without_calling_the_handler() {
+    let calls = Arc::new(AtomicU32::new(0));
+    let seen = Arc::clone(&calls);
+    let h = Harness::new(
+        builder().handler(move |_: Json<Order>, _| {
+            seen.fetch_add(1, Ordering::SeqCst);
+            async { Ok(()) }
+        }),
+        DeadLetterMode::Reject,
+        FakeBroker::new(),
+    );
+    h.deliver(delivery(b"not json", FieldTable::default()))
+        .await;
+    assert_eq!(h.broker().calls(), [Call::Reject { requeue: false }]);
+    assert_eq!(calls.load(Ordering::SeqCst), 0);
+}
+
+#[tokio::test]
+async fn headers_cut_on_receipt_are_dead_lettered_without_calling_the_handler() {
+    let h = Harness::new(
+        builder().handler(|_: Raw, _| async { panic!("the handler must not run") }),
+        DeadLetterMode::Annotate,
+        FakeBroker::new(),
+    );
+    let mut cut = FieldTable::default();
+    cut.insert(
+        redeliver_amqp::HEADERS_REMOVED.into(),
+        AMQPValue::LongString("nested too deep".into()),
+    );
+    h.deliver(delivery(b"{}", cut)).await;
+    let published = h.broker().published_headers();
+    assert_eq!(
+        text(&published, headers::DEAD_LETTER_REASON).as_deref(),
+        Some("undecodable")
+    );
+}
+
+#[tokio::test]
+async fn a_handler_panic_is_a_transient_error_with_its_message() {
+    let h = Harness::new(
+        builder().handler(|_: Raw, _| async { panic!("index out of bounds") }),
+        DeadLetterMode::Reject,
+        FakeBroker::new(),
+    );
+    h.deliver(order()).await;
+    assert!(matches!(h.broker().calls()[0], Call::PublishDelayed { .. }));
+    let error = published_retry_state(h.broker()).last_error;
+    assert!(
+        error
+            .as_deref()
+            .is_some_and(|e| e.contains("panicked: index out of bounds")),
+        "{error:?}"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_handler_past_its_time_limit_is_retried() {
+    let h = Harness::new(
+        builder()
+            .handler_timeout(Duration::from_secs(30))
+            .handler(|_: Raw, _| async {
+                tokio::time::sleep(Duration::from_secs(3600)).await;
+                Ok(())
+            }),
+        DeadLetterMode::Reject,
+        FakeBroker::new(),
+    );
+    h.deliver(order()).await;
+    assert!(matches!(h.broker().calls()[0], Call::PublishDelayed { .. }));
+    let error = published_retry_state(h.broker()).last_error;
+    assert_eq!(error.as_deref(), Some("handler timed out after 30s"));
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_timeout_the_policy_forwards_goes_to_the_other_queue_then_acks() {
+    let forwarding = policy()
+        .classifier(Classifier::default().forward_on::<TimedOut>())
+        .forward(Forward::to_queue("orders.heavy").after_attempts(2));
+    let h = Harness::new(
+        builder()
+            .policy(forwarding)
+            .handler_timeout(Duration::from_secs(30))
+            .handler(|_: Raw, _| async {
+                tokio::time::sleep(Duration::from_secs(3600)).await;
+                Ok(())
+            }),
+        DeadLetterMode::Reject,
+        FakeBroker::new(),
+    );
+    // The first timeout is retried here; the second (attempt 2) is forwarded.
+    h.deliver(order()).await;
+    assert!(matches!(h.broker().calls()[0], Call::PublishDelayed { .. }));
+    let mut second = FieldTable::default();
+    second.insert(headers::ATTEMPT.into(), AMQPValue::LongLongInt(1));
+    second.insert("tenant".into(), AMQPValue::LongString("acme".into()));
+    let h = Harness {
+        session: Arc::new(Deliveries::new(
+            FakeLink(FakeBroker::new()),
+            rules(DeadLetterMode::Reject),
+            crate::meters::Meters::new(QUEUE),
+        )),
+        ..h
+    };
+    h.deliver(delivery(b"{}", second)).await;
+    assert_eq!(
+        h.broker().calls(),
+        [
+            Call::Publish {
+                exchange: "".into(),
+                routing_key: "orders.heavy".into()
+            },
+            Call::Ack { success: false },
+        ]
+    );
+    let published = h.broker().published_headers();
+    let info = ForwardInfo::read(Some(&published)).expect("forward headers");
+    assert_eq!(info.from, QUEUE);
+    assert_eq!(info.reason, "timeout");
+    assert_eq!(info.attempts, Some(2));
+    assert_eq!(info.by.as_deref(), Some("test-worker"));
+    assert!(info.error.is_some_and(|e| e.contains("timed out")));
+    assert_eq!(text(&published, "tenant").as_deref(), Some("acme"));
+    // The destination starts the message's retries afresh.
+    assert_eq!(RetryState::read(Some(&published)).attempt, 0);
+}
+
+#[tokio::test]
+async fn a_forward_the_handler_asks_for_without_a_destination_is_dead_lettered() {
+    let h = Harness::new(
+        builder().handler(|_: Raw, _| async { Err(HandlerError::forward("needs a GPU")) }),
+        DeadLetterMode::Annotate,
+        FakeBroker::new(),
+    );
+    h.deliver(order()).await;
+    let published = h.broker().published_headers();
+    assert_eq!(
+        text(&published, headers::DEAD_LETTER_REASON).as_deref(),
+        Some("forward_unconfigured")
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_hard_stop_leaves_a_running_handler_unsettled() {
+    let h = Harness::new(
+        builder().handler(|_: Raw, _| async {
+            tokio::time::sleep(Duration::from_secs(3600)).await;
+            Ok(())
+        }),
+        DeadLetterMode::Reject,
+        FakeBroker::new(),
+    );
+    let stop = h.worker.hard_stop.clone();
+    tokio::spawn(async move {
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        stop.cancel();
+    });
+    h.deliver(order()).await;
+    assert!(h.broker().calls().is_empty(), "{:?}", h.broker().calls());
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_panic_while_settling_requeues_the_message() {
+    let broker = FakeBroker::new();
+    broker.panic_on_publish.store(true, Ordering::SeqCst);
+    let h = Harness::new(
+        builder().handler(|_: Raw, _| async { Err(HandlerError::transient("503")) }),
+        DeadLetterMode::Reject,
+        broker,
+    );
+    let started = tokio::time::Instant::now();
+    h.deliver(order()).await;
+    assert_eq!(
+        h.broker().calls(),
+        [
+            Call::PublishDelayed {
+                queue: QUEUE.into(),
+                delay: Duration::from_millis(100)
+            },
+            Call::Reject { requeue: true },
+        ]
+    );
+    assert!(started.elapsed() >= REQUEUE_PAUSE);
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_unconfirmed_retry_copy_requeues_the_original() {
+    let h = Harness::new(
+        builder().handler(|_: Raw, _| async { Err(HandlerError::transient("503")) }),
+        DeadLetterMode::Reject,
+        FakeBroker::answering([Err(nacked())]),
+    );
+    h.deliver(order()).await;
+    assert_eq!(
+        h.broker().calls().last(),
+        Some(&Call::Reject { requeue: true })
+    );
+    assert_eq!(h.broker().calls().len(), 2, "never acked");
+}
+
+#[tokio::test(start_paused = true)]
+async fn requeues_while_publishing_is_blocked_never_reach_the_limit() {
+    let builder = builder().handler(|_: Raw, _| async { Err(HandlerError::transient("503")) });
+    let worker = builder.build().expect("valid test settings").shared();
+    for _ in 0..5 {
+        let blocked =
+            FakeBroker::answering_copy([Err(CopyError::Blocked(Duration::from_secs(30)))]);
+        let h = Harness {
+            worker: Arc::clone(&worker),
+            session: Arc::new(Deliveries::new(
+                FakeLink(blocked),
+                rules(DeadLetterMode::Reject),
+                crate::meters::Meters::new(QUEUE),
+            )),
+        };
+        h.deliver(order()).await;
+        assert_eq!(
+            h.broker().calls().last(),
+            Some(&Call::Reject { requeue: true })
+        );
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn past_the_requeue_limit_the_message_is_dead_lettered() {
+    let builder = builder().handler(|_: Raw, _| async { Err(HandlerError::transient("503")) });
+    let worker = builder.build().expect("valid test settings").shared();
+    let mut last = Vec::new();
+    // The limit is 2: the third unconfirmed copy in a row ends in the DLQ.
+    for _ in 0..3 {
+        let h = Harness {
+            worker: Arc::clone(&worker),
+            session: Arc::new(Deliveries::new(
+                FakeLink(FakeBroker::answering([Err(nacked())])),
+                rules(DeadLetterMode::Reject),
+                crate::meters::Meters::new(QUEUE),
+            )),
+        };
+        h.deliver(order()).await;
+        last = h.broker().calls();
+    }
+    assert_eq!(last.last(), Some(&Call::Reject { requeue: false }));
+}
+
+#[tokio::test]
+async fn a_malformed_x_death_is_sanitized_before_the_handler_runs() {
+    let h = Harness::new(
+        builder().handler(|_: Raw, _| async { panic!("the handler must not run") }),
+        DeadLetterMode::Reject,
+        FakeBroker::new(),
+    );
+    let mut bad = FieldTable::default();
+    bad.insert(
+        headers::X_DEATH.into(),
+        AMQPValue::FieldArray(FieldArray::from(vec![AMQPValue::LongLongInt(7)])),
+    );
+    h.deliver(delivery(b"{}", bad)).await;
+    assert_eq!(
+        h.broker().calls(),
+        [
+            Call::Publish {
+                exchange: "".into(),
+                routing_key: QUEUE.into()
+            },
+            Call::Ack { success: false },
+        ]
+    );
+    assert!(h
+        .broker()
+        .published_headers()
+        .contains_key(headers::SANITIZED));
+}
+
+#[tokio::test]
+async fn a_closed_channel_settles_nothing() {
+    let broker = FakeBroker::new();
+    *broker.open.lock().expect("not poisoned") = false;
+    let h = Harness::new(builder().handler(ok), DeadLetterMode::Reject, broker);
+    h.deliver(order()).await;
+    assert!(h.broker().calls().is_empty());
+}
