@@ -13,9 +13,12 @@ use crate::text::{self, escape};
 /// Replays of more than this many messages (about a screenful of output) get a progress bar.
 pub(crate) const PROGRESS_THRESHOLD: u64 = 20;
 
-/// A left-aligned text table; each column has a maximum width, longer cells are cut with "…".
-/// Cells are escaped ([`text::escape`]): most of them come from the broker, and a newline or an
-/// escape sequence in one would break the table or reach the terminal.
+/// A left-aligned text table, laid out by comfy-table: columns two spaces apart, as wide as
+/// their widest cell on screen (a CJK character takes two columns, a combining mark none), no
+/// borders, no trailing spaces. Each column has a maximum length, longer cells are cut with "…".
+/// Cells are escaped ([`text::escape`]) before they reach comfy-table: most of them come from
+/// the broker, and a newline or an escape sequence in one would break the table or reach the
+/// terminal.
 pub(crate) struct Table {
     headers: Vec<&'static str>,
     max: Vec<usize>,
@@ -23,7 +26,7 @@ pub(crate) struct Table {
 }
 
 impl Table {
-    /// `columns`: (header, maximum width).
+    /// `columns`: (header, maximum length in characters).
     pub(crate) fn new(columns: &[(&'static str, usize)]) -> Self {
         Self {
             headers: columns.iter().map(|c| c.0).collect(),
@@ -37,46 +40,26 @@ impl Table {
     }
 
     pub(crate) fn render(&self) -> String {
-        let rows: Vec<Vec<String>> = self
-            .rows
-            .iter()
-            .map(|r| {
-                r.iter()
-                    .zip(&self.max)
-                    .map(|(c, m)| truncate_chars(&escape(c), *m))
-                    .collect()
-            })
-            .collect();
-        let mut width: Vec<usize> = self.headers.iter().map(|h| h.chars().count()).collect();
-        for r in &rows {
-            for (w, c) in width.iter_mut().zip(r) {
-                *w = (*w).max(c.chars().count());
-            }
-        }
-        let line = |cells: &[String]| {
-            let mut s = String::new();
-            for (i, (c, w)) in cells.iter().zip(&width).enumerate() {
-                if i + 1 == cells.len() {
-                    s.push_str(c);
-                } else {
-                    s.push_str(c);
-                    s.push_str(&" ".repeat(w - c.chars().count() + 2));
-                }
-            }
-            s.trim_end().to_owned()
-        };
-        let mut out = line(
-            &self
-                .headers
+        let mut table = comfy_table::Table::new();
+        table.load_style(comfy_table::presets::NOTHING);
+        table.set_header(self.headers.clone());
+        for r in &self.rows {
+            // Cut here rather than by comfy-table, which wraps at spaces first and so would
+            // cut "payment service down" after "payment".
+            let cells: Vec<String> = r
                 .iter()
-                .map(|h| (*h).to_owned())
-                .collect::<Vec<_>>(),
-        );
-        out.push('\n');
-        for r in &rows {
-            out.push_str(&line(r));
-            out.push('\n');
+                .zip(&self.max)
+                .map(|(c, m)| truncate_chars(&escape(c), *m))
+                .collect();
+            table.add_row(cells);
         }
+        let last = self.headers.len().saturating_sub(1);
+        for column in table.column_iter_mut() {
+            let right = if column.index == last { 0 } else { 2 };
+            column.set_padding((0, right));
+        }
+        let mut out = table.trim_fmt();
+        out.push('\n');
         out
     }
 }
@@ -516,6 +499,25 @@ mod tests {
         t.row(vec!["abcdef".into(), "x".into()]);
         t.row(vec!["a".into(), "yy".into()]);
         assert_eq!(t.render(), "A    B\nab…  x\na    yy\n");
+    }
+
+    #[test]
+    fn table_aligns_by_display_width() {
+        let mut t = Table::new(&[("A", 3), ("B", 10)]);
+        t.row(vec!["中文".into(), "x".into()]);
+        t.row(vec!["e\u{301}".into(), "y".into()]);
+        t.row(vec!["".into(), "".into()]);
+        assert_eq!(t.render(), "A     B\n中文  x\ne\u{301}     y\n\n");
+    }
+
+    #[test]
+    fn table_cells_are_escaped_before_layout() {
+        let mut t = Table::new(&[("A", 20), ("B", 10)]);
+        t.row(vec!["\u{1b}[2J\r\nx".into(), "\u{202e}y".into()]);
+        assert_eq!(
+            t.render(),
+            "A               B\n\\u{1b}[2J\\r\\nx  \\u{202e}y\n"
+        );
     }
 
     #[test]
