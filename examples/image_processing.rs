@@ -5,9 +5,15 @@
 //! or a bad request at once, a fetch still failing after 3 retries then. The handler is in
 //! `image_processing/job.rs`; its image server is simulated and fails about half the fetches.
 //!
+//! A job that runs past the 10 s time limit of `images` twice is forwarded to `images.heavy`
+//! (Celery's pattern of sending a task that hits its time limit to a more powerful queue), which
+//! a second worker of this process consumes with a limit twelve times longer. In a real
+//! deployment that is a Deployment of its own, on bigger nodes; `images` does not consume until
+//! `images.heavy` exists.
+//!
 //! ```text
 //! REDELIVER_HEALTH_ADDR=127.0.0.1:8080 cargo run --example image_processing
-//! cargo run --example publish -- --count 20 --fail-rate 0.5 --poison 2   # in another terminal
+//! cargo run --example publish -- --count 20 --fail-rate 0.5 --poison 2 --large 1   # elsewhere
 //! ```
 //!
 //! Configured from the environment: `AMQP_URL`, `REDELIVER_QUEUE`, `REDELIVER_PREFETCH`,
@@ -26,31 +32,43 @@ use std::time::Duration;
 use anyhow::anyhow;
 use redeliver::worker::env::{LogFormat, ServiceConfig};
 use redeliver::worker::health::{self, Health};
-use redeliver::{CancellationToken, Context, Jitter, Json, RetryPolicy, Worker};
+use redeliver::{
+    CancellationToken, Classifier, Context, Forward, Jitter, Json, RetryPolicy, TimedOut, Worker,
+    WorkerBuilder,
+};
+
+/// Time limit of one job on the standard queue; the heavy queue's is twelve times longer.
+const TIME_LIMIT: Duration = Duration::from_secs(10);
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let cfg = ServiceConfig::from_env()?;
     init_logging(&cfg)?;
-    let worker = Worker::builder("amqp://guest:guest@127.0.0.1:5672/%2f")
-        .queue("images")
-        .policy(
-            RetryPolicy::exponential(Duration::from_secs(1))
-                .cap(Duration::from_secs(60))
-                .jitter(Jitter::Full)
-                .max_retries(3),
-        )
-        // The code's defaults above; AMQP_URL and the REDELIVER_* variables win.
-        .env()?
-        .handler(
-            |job: Json<job::ImageJob>, ctx: Context| async move { job::process(&job, &ctx).await },
-        );
+    let standard = builder()?;
+    let settings = standard.settings().clone();
+    let queue = settings.queue().unwrap_or("images").to_owned();
+    let limit = settings.handler_timeout().unwrap_or(TIME_LIMIT);
+    // The destination is named in full: the prefix applies to the worker's own topology only.
+    let heavy = format!("{queue}.heavy");
+    let heavy_full = format!("{}{heavy}", settings.prefix().unwrap_or_default());
+    // Built on the policy the environment left, so REDELIVER_MAX_RETRIES and the like still
+    // apply: timeouts are retried once here, then forwarded.
+    let forwarding = settings
+        .policy()
+        .clone()
+        .classifier(Classifier::default().forward_on::<TimedOut>())
+        .forward(Forward::to_queue(heavy_full).after_attempts(2));
+    let worker = standard.policy(forwarding).handler(process);
+    let heavy_worker = builder()?
+        .queue(heavy)
+        .handler_timeout(limit * 12)
+        .handler(process);
 
     let token = CancellationToken::new();
     let health = match cfg.health_addr {
         Some(addr) => {
             let server = Health::new()
-                .worker(worker.status_handle())
+                .workers([worker.status_handle(), heavy_worker.status_handle()])
                 .metrics(health::install_prometheus()?)
                 .bind(addr)
                 .await?;
@@ -61,13 +79,32 @@ async fn main() -> anyhow::Result<()> {
     };
     tracing::info!(settings = ?worker.settings(), "starting the image-processing worker");
     // Until SIGTERM or Ctrl-C, then the handlers in flight finish (the grace period).
-    let result = worker.run_until_signal().await;
+    let result =
+        redeliver::worker::run_all_until_signal([worker.build()?, heavy_worker.build()?]).await;
     // The health server outlives the drain, so probes see 503 while it happens.
     token.cancel();
     if let Some(health) = health {
         health.await??;
     }
     Ok(result?)
+}
+
+/// The code's defaults; AMQP_URL and the REDELIVER_* variables win.
+fn builder() -> anyhow::Result<WorkerBuilder> {
+    Ok(Worker::builder("amqp://guest:guest@127.0.0.1:5672/%2f")
+        .queue("images")
+        .policy(
+            RetryPolicy::exponential(Duration::from_secs(1))
+                .cap(Duration::from_secs(60))
+                .jitter(Jitter::Full)
+                .max_retries(3),
+        )
+        .handler_timeout(TIME_LIMIT)
+        .env()?)
+}
+
+async fn process(job: Json<job::ImageJob>, ctx: Context) -> Result<(), redeliver::HandlerError> {
+    job::process(&job, &ctx).await
 }
 
 /// Logs to stderr, as JSON when `REDELIVER_LOG_FORMAT=json`, filtered by `RUST_LOG`: the

@@ -41,6 +41,10 @@ struct Args {
     /// Jobs with width 0 to send as well (a permanent error: dead-lettered without retry).
     #[arg(long, default_value_t = 0)]
     invalid: u32,
+    /// Large images to send as well (width 8000): each runs past the worker's time limit on the
+    /// standard queue and is forwarded to its heavy queue, where it succeeds.
+    #[arg(long, default_value_t = 0)]
+    large: u32,
     /// Seed of the simulated failures (random when not given).
     #[arg(long)]
     seed: Option<u64>,
@@ -122,6 +126,17 @@ async fn run(args: Args) -> anyhow::Result<()> {
         };
         messages.push((format!("invalid-{seed:x}-{i}"), serde_json::to_vec(&job)?));
     }
+    for i in 0..u64::from(args.large) {
+        let id = u64::from(args.count) + u64::from(args.invalid) + 1 + i;
+        let job = ImageJob {
+            id,
+            url: format!("https://images.example/{id}-large.jpg"),
+            width: 8000,
+            fail_rate: 0.0,
+            seed,
+        };
+        messages.push((format!("large-{seed:x}-{i}"), serde_json::to_vec(&job)?));
+    }
     for i in 0..args.poison {
         // Truncated JSON: undecodable, so the worker dead-letters it without calling the handler.
         messages.push((
@@ -140,11 +155,12 @@ async fn run(args: Args) -> anyhow::Result<()> {
         .await
         .with_context(|| format!("publishing to {queue}"))?;
     println!(
-        "published {} jobs, {} invalid and {} malformed to {queue} (fail rate {:.0}%, seed {seed}); \
-         watch the worker's log, and `{}` in the management UI",
+        "published {} jobs, {} invalid, {} malformed and {} large to {queue} (fail rate {:.0}%, \
+         seed {seed}); watch the worker's log, and `{}` in the management UI",
         args.count,
         args.invalid,
         args.poison,
+        args.large,
         args.fail_rate * 100.0,
         topology.dlq_name()
     );

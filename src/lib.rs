@@ -62,8 +62,8 @@ pub use redeliver_worker as worker;
 pub use redeliver_amqp::{lapin, DelayConfig, Publisher, QueueType, TlsConfig, Topology};
 #[doc(no_inline)]
 pub use redeliver_core::{
-    Backoff, Classifier, DeadLetterReason, Decision, ErrorKind, HandlerError, Jitter, RetryBudget,
-    RetryPolicy,
+    Backoff, Classifier, DeadLetterReason, Decision, ErrorKind, Forward, HandlerError, Jitter,
+    RetryBudget, RetryPolicy, TimedOut,
 };
 #[doc(no_inline)]
 pub use redeliver_worker::{

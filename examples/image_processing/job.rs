@@ -40,12 +40,22 @@ pub async fn process(job: &ImageJob, ctx: &Context) -> Result<(), HandlerError> 
     Ok(())
 }
 
-/// The simulated fetch and resize: 5 to 25 ms, then maybe a connection reset.
+/// Jobs at least this wide are large images: resizing one takes [`LARGE_IMAGE_TIME`], longer
+/// than the standard queue's time limit, so the worker forwards them to the heavy queue.
+pub const LARGE_WIDTH: u32 = 4000;
+/// How long resizing a large image takes.
+pub const LARGE_IMAGE_TIME: Duration = Duration::from_secs(15);
+
+/// The simulated fetch and resize: 5 to 25 ms (a large image: 15 s more), then maybe a
+/// connection reset.
 async fn fetch(job: &ImageJob, attempt: u32) -> Result<(), std::io::Error> {
     tokio::time::sleep(Duration::from_millis(
         5 + (unit(job, attempt, 2) * 20.0) as u64,
     ))
     .await;
+    if job.width >= LARGE_WIDTH {
+        tokio::time::sleep(LARGE_IMAGE_TIME).await;
+    }
     if fetch_fails(job, attempt) {
         return Err(std::io::Error::new(
             std::io::ErrorKind::ConnectionReset,

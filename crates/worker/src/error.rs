@@ -18,6 +18,19 @@ pub enum WorkerError {
     /// refused, an invalid name).
     #[error("topology: {0}")]
     Topology(#[from] TopologyError),
+    /// The policy's [`Forward`](redeliver_core::Forward) destination does not exist, or could
+    /// not be checked. Checked passively at every connection, before consuming: the worker
+    /// declares its own topology, never another queue's. Not fatal: the worker stays unready
+    /// and tries again with the reconnect backoff, so the destination's own worker (or an
+    /// operator) may create it meanwhile, as in a rollout of both at once.
+    #[error("forward destination {destination} is missing or cannot be checked (create it, or start the worker that declares it); the worker does not consume until it exists: {source}")]
+    ForwardDestination {
+        /// The destination as the policy names it.
+        destination: String,
+        /// What the broker answered.
+        #[source]
+        source: lapin::Error,
+    },
     /// A broker operation failed (returned only where retrying makes no sense).
     #[error("AMQP: {0}")]
     Amqp(#[from] lapin::Error),
@@ -73,11 +86,37 @@ impl WorkerError {
         match self {
             WorkerError::Topology(TopologyError::Amqp(_)) => false,
             WorkerError::Topology(_) | WorkerError::Config(_) | WorkerError::Signal(_) => true,
+            // Its own worker, started at the same time, may be about to declare it.
+            WorkerError::ForwardDestination { .. } => false,
             WorkerError::Amqp(_) | WorkerError::Publisher(_) | WorkerError::Task(_) => false,
             // Unusable settings are fatal; a refused certificate or an unreachable broker may be
             // fixed on the other side (a renewed certificate, a DNS change) while we retry.
             WorkerError::Connect(ConnectError::Url(_) | ConnectError::Tls(_)) => true,
             WorkerError::Connect(_) => false,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_missing_forward_destination_says_what_to_do_and_is_waited_for() {
+        let not_found = lapin::Error::from(lapin::ErrorKind::ProtocolError(
+            lapin::protocol::AMQPError::new(
+                lapin::protocol::AMQPSoftError::NOTFOUND.into(),
+                "NOT_FOUND - no queue 'images.heavy' in vhost '/'".into(),
+            ),
+        ));
+        let e = WorkerError::ForwardDestination {
+            destination: "queue 'images.heavy'".into(),
+            source: not_found,
+        };
+        let text = e.to_string();
+        assert!(text.contains("queue 'images.heavy'"), "{text}");
+        assert!(text.contains("NOT_FOUND"), "{text}");
+        assert!(text.contains("create it"), "{text}");
+        assert!(!e.is_fatal());
     }
 }

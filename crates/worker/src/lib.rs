@@ -135,7 +135,7 @@ pub use status::{WorkerState, WorkerStatus};
 pub use redeliver_amqp::{lapin, DelayConfig, QueueType, TlsConfig, Topology};
 #[doc(no_inline)]
 pub use redeliver_core::{
-    Backoff, BoxError, Classifier, ErrorKind, HandlerError, Jitter, RetryPolicy,
+    Backoff, BoxError, Classifier, ErrorKind, Forward, HandlerError, Jitter, RetryPolicy, TimedOut,
 };
 #[doc(no_inline)]
 pub use tokio_util::sync::CancellationToken;

@@ -6,12 +6,14 @@ use std::time::Duration;
 
 use futures::StreamExt;
 use lapin::options::{
-    BasicCancelOptions, BasicConsumeOptions, BasicQosOptions, QueueDeclareOptions,
+    BasicCancelOptions, BasicConsumeOptions, BasicQosOptions, ExchangeDeclareOptions,
+    QueueDeclareOptions,
 };
 use lapin::types::FieldTable;
 use lapin::{Channel, Connection, ConnectionProperties, Consumer, Event};
 use redeliver_amqp::url::BrokerUrl;
 use redeliver_amqp::{ServerInfo, Topology, TopologyError};
+use redeliver_core::Forward;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, error, info, warn};
 
@@ -110,6 +112,9 @@ impl Session {
             config.topology.verify(connection).await?;
         } else {
             config.topology.declare(connection).await?;
+        }
+        if let Some(to) = settings.policy.configured_forward() {
+            verify_forward(connection, to).await?;
         }
         let delay = config.topology.delay_config().clone();
         let version = server.as_ref().and_then(ServerInfo::version);
@@ -307,6 +312,49 @@ impl Session {
         }
         close_connection(&self.connection, "worker stopped").await;
     }
+}
+
+/// Checks, passively, that the policy's forward destination exists, on a channel of its own (a
+/// missing object closes the channel). Forwarding to a missing queue would only requeue every
+/// forwarded message until the requeue limit dead-letters it.
+async fn verify_forward(connection: &Connection, to: &Forward) -> Result<(), WorkerError> {
+    let failed = |source| WorkerError::ForwardDestination {
+        destination: to.to_string(),
+        source,
+    };
+    let channel = connection.create_channel().await.map_err(failed)?;
+    let checked = match to.queue() {
+        Some(queue) => channel
+            .queue_declare(
+                queue.into(),
+                QueueDeclareOptions {
+                    passive: true,
+                    ..QueueDeclareOptions::default()
+                },
+                FieldTable::default(),
+            )
+            .await
+            .map(drop),
+        None => {
+            channel
+                .exchange_declare(
+                    to.exchange().into(),
+                    lapin::ExchangeKind::Direct,
+                    ExchangeDeclareOptions {
+                        passive: true,
+                        ..ExchangeDeclareOptions::default()
+                    },
+                    FieldTable::default(),
+                )
+                .await
+        }
+    };
+    if channel.status().connected() {
+        let _ = channel
+            .close(200, "forward destination checked".into())
+            .await;
+    }
+    checked.map_err(failed)
 }
 
 async fn close_connection(connection: &Connection, why: &str) {
