@@ -138,6 +138,6 @@ mod policy;
 pub use backoff::Backoff;
 pub use budget::{BudgetConfig, BudgetExhausted, RetryBudget};
 pub use clock::{Clock, ManualClock, SystemClock};
-pub use error::{BoxError, Classifier, ErrorKind, HandlerError};
+pub use error::{error_chain, BoxError, Classifier, ErrorKind, HandlerError};
 pub use jitter::Jitter;
 pub use policy::{DeadLetterReason, Decision, RetryPolicy, DEFAULT_CAP, DEFAULT_MAX_RETRIES};
