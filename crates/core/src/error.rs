@@ -9,7 +9,11 @@ use std::time::Duration;
 pub type BoxError = Box<dyn Error + Send + Sync + 'static>;
 
 /// What kind of failure a [`HandlerError`] is.
+///
+/// Non-exhaustive: a match outside this crate needs a `_` arm, so that a new kind (a new way to
+/// settle a message) is not a breaking change.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum ErrorKind {
     /// Worth retrying with the policy's backoff (Celery: an exception in `autoretry_for`).
     Transient,

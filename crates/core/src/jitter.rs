@@ -19,7 +19,8 @@ use crate::backoff::from_nanos_saturating;
 /// | [`Jitter::Equal`] | `d/2 + rand(0, d/2)` |
 /// | [`Jitter::Decorrelated`] | `min(cap, rand(base, prev * 3))` |
 ///
-/// All bounds are inclusive. Every result is at most `cap`.
+/// All bounds are inclusive. Every result is at most `cap`. Non-exhaustive: another formula may
+/// come, so a match outside this crate needs a `_` arm.
 ///
 /// ```
 /// use std::time::Duration;
@@ -34,6 +35,7 @@ use crate::backoff::from_nanos_saturating;
 /// ```
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 #[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
+#[non_exhaustive]
 pub enum Jitter {
     /// No randomisation: the backoff delay as is.
     #[default]
