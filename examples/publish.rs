@@ -18,9 +18,7 @@ use anyhow::{bail, Context as _};
 use clap::Parser;
 use futures::future::try_join_all;
 use redeliver::lapin::{BasicProperties, ConnectionProperties};
-use redeliver::worker::Settings;
-use redeliver::WorkerBuilder;
-use redeliver::{Publisher, Topology};
+use redeliver::{Publisher, Settings, Topology, WorkerBuilder};
 use serde::Serialize;
 
 /// Queue of the example worker when `REDELIVER_QUEUE` is not set.

@@ -41,12 +41,10 @@ use std::time::Duration;
 
 use anyhow::{bail, Context as _};
 use clap::{Parser, ValueEnum};
-use redeliver::policy::BudgetConfig;
 use redeliver::worker::metrics_names::MESSAGES_SUCCEEDED;
-use redeliver::worker::{WorkerState, WorkerStatus};
 use redeliver::{
-    CancellationToken, Context, DelayConfig, HandlerError, Json, QueueType, RetryBudget,
-    RetryPolicy, Topology, Worker,
+    BudgetConfig, CancellationToken, Context, DelayConfig, HandlerError, Json, QueueType,
+    RetryBudget, RetryPolicy, Topology, Worker, WorkerState, WorkerStatus,
 };
 use tracing::{info, warn};
 

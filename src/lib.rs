@@ -4,11 +4,29 @@
 //! This crate is the facade: it re-exports the three libraries so a service depends on one
 //! crate.
 //!
+//! # Where to find what
+//!
+//! **Every type a service names is at the root, and documented there**: `redeliver::Worker`,
+//! `redeliver::RetryPolicy`, `redeliver::HandlerError`, `redeliver::Json`... — the worker and its
+//! builder, settings, status and errors; what a handler takes and returns; the retry policy with
+//! its backoff, jitter, classifier and budget; the topology, TLS and publisher settings. Use these
+//! paths; the README, the examples and these docs do.
+//!
+//! The three modules below are the whole libraries, for advanced use. They hold what the root
+//! does not: namespaces of functions and constants (`worker::health`, `worker::env`,
+//! `worker::metrics_names`, `amqp::headers`, `amqp::properties`, `amqp::url`,
+//! `amqp::trace_context`), the building blocks under the worker (`amqp::connect`,
+//! `amqp::ServerInfo`, the delay routing) and the rarer types (`policy::Clock`, error types of
+//! the pieces). Each is the whole crate, so a root type is also found in the module of the crate
+//! that defines it (and the worker crate repeats the policy and AMQP types it takes), but its
+//! documentation is at the root.
+//!
 //! | module | crate | holds |
 //! |---|---|---|
 //! | [`policy`] | `redeliver-core` | backoff, jitter, max retries, error classification, retry budget (pure) |
 //! | [`amqp`] | `redeliver-amqp` | topology, binary delay levels, confirmed publisher, header codec |
 //! | [`worker`] | `redeliver-worker` | consumer runtime: concurrency, ack / delay / reject, shutdown, reconnect |
+//! | [`lapin`] | `lapin` | the AMQP client underneath, for its property and option types |
 //!
 //! # Features
 //!
@@ -18,7 +36,7 @@
 //! | `health` | on | the health server and Prometheus exporter (`worker::health`; axum, metrics-exporter-prometheus) |
 //! | `otel` | off | W3C trace context in message headers; each delivery span continues the message's trace (`amqp::trace_context`) |
 //!
-//! The items a service needs most are also at the top level:
+//! A worker, with root paths only:
 //!
 //! ```no_run
 //! use std::time::Duration;
@@ -53,22 +71,43 @@
 #![warn(missing_docs, unreachable_pub, missing_debug_implementations)]
 #![forbid(unsafe_code)]
 
-pub use redeliver_amqp as amqp;
-pub use redeliver_core as policy;
-pub use redeliver_worker as worker;
+pub mod policy {
+    //! Advanced: the whole `redeliver-core` crate, the retry policy. Its everyday types are
+    //! documented at the [root](crate): `RetryPolicy`, `Backoff`, `Jitter`, `HandlerError`...
+    #[doc(no_inline)]
+    pub use redeliver_core::*;
+}
 
-// Each type is documented once, in the crate that defines it; these are shortcuts to it.
+pub mod amqp {
+    //! Advanced: the whole `redeliver-amqp` crate, the RabbitMQ building blocks. Its everyday
+    //! types are documented at the [root](crate): `Topology`, `QueueType`, `DelayConfig`,
+    //! `TlsConfig`, `Publisher`.
+    #[doc(no_inline)]
+    pub use redeliver_amqp::*;
+}
+
+pub mod worker {
+    //! Advanced: the whole `redeliver-worker` crate, the consumer runtime, with its `health`,
+    //! `env` and `metrics_names` modules. Its everyday types are documented at the
+    //! [root](crate): `Worker`, `WorkerBuilder`, `Context`, `Json`...
+    #[doc(no_inline)]
+    pub use redeliver_worker::*;
+}
+
+// A crate of its own, documented on its own: not inlined.
 #[doc(no_inline)]
-pub use redeliver_amqp::{lapin, DelayConfig, Publisher, QueueType, TlsConfig, Topology};
-#[doc(no_inline)]
+pub use redeliver_amqp::lapin;
+
+// The everyday types, documented here (inlined) rather than in the crates that define them.
+pub use redeliver_amqp::{DelayConfig, Publisher, QueueType, TlsConfig, Topology};
 pub use redeliver_core::{
-    Backoff, Classifier, DeadLetterReason, Decision, ErrorKind, Forward, HandlerError, Jitter,
-    RetryBudget, RetryPolicy, TimedOut,
+    Backoff, BudgetConfig, Classifier, DeadLetterReason, Decision, ErrorKind, Forward,
+    HandlerError, Jitter, RetryBudget, RetryPolicy, TimedOut,
 };
-#[doc(no_inline)]
 pub use redeliver_worker::{
-    CancellationToken, Context, DeadLetterMode, FromDelivery, Handler, Json, Raw, Text, Worker,
-    WorkerBuilder, WorkerError, WorkerStatus,
+    run_all, run_all_until_signal, CancellationToken, Context, DeadLetterMode, DecodeError,
+    FromDelivery, Handler, Json, Raw, Settings, Text, Worker, WorkerBuilder, WorkerError,
+    WorkerState, WorkerStatus,
 };
 
 // The README's Rust examples are compiled as doctests so they cannot drift from the API.

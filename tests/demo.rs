@@ -15,8 +15,7 @@ use std::time::Duration;
 
 use clap::Parser;
 use job::ImageJob;
-use redeliver::worker::Settings;
-use redeliver::Worker;
+use redeliver::{Settings, Worker};
 use redeliver_testkit::{amqp_url, START_BROKER};
 use run::Args;
 

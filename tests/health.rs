@@ -51,7 +51,7 @@ async fn readyz_is_503_while_the_broker_cannot_be_reached() {
     let worker = tokio::spawn(builder.run(token.clone()));
     status
         .wait_for_timeout(Duration::from_secs(5), |s| {
-            *s == redeliver::worker::WorkerState::Connecting
+            *s == redeliver::WorkerState::Connecting
         })
         .await
         .expect("the worker tries to connect");

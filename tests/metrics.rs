@@ -79,7 +79,7 @@ async fn metrics_endpoint_counts_what_happened() {
     let worker = tokio::spawn(builder.run(worker_token.clone()));
     status
         .wait_for_timeout(Duration::from_secs(30), |s| {
-            *s == redeliver::worker::WorkerState::Consuming
+            *s == redeliver::WorkerState::Consuming
         })
         .await
         .expect("the worker consumes");

@@ -72,7 +72,7 @@ async fn one_trace_across_the_publish_and_every_attempt() {
     let seen = done.clone();
     let worker = Worker::builder(redeliver_testkit::amqp_url())
         .topology(topology.clone())
-        .dead_letter_mode(redeliver::worker::DeadLetterMode::Annotate)
+        .dead_letter_mode(redeliver::DeadLetterMode::Annotate)
         .policy(
             RetryPolicy::constant(Duration::from_millis(20))
                 .jitter(Jitter::None)

@@ -14,10 +14,9 @@ use redeliver::amqp::headers::RetryState;
 use redeliver::lapin::options::{BasicAckOptions, BasicGetOptions, QueueDeclareOptions};
 use redeliver::lapin::types::FieldTable;
 use redeliver::lapin::{BasicProperties, Connection, ConnectionProperties};
-use redeliver::worker::Settings;
-use redeliver::worker::WorkerState;
 use redeliver::{
-    CancellationToken, Context, DelayConfig, Jitter, Json, Publisher, RetryPolicy, Topology, Worker,
+    CancellationToken, Context, DelayConfig, Jitter, Json, Publisher, RetryPolicy, Settings,
+    Topology, Worker, WorkerState,
 };
 
 use crate::job::{fetch_fails, process, ImageJob};

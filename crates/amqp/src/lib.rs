@@ -42,10 +42,11 @@
     warn(clippy::unwrap_used, clippy::expect_used, clippy::panic)
 )]
 
-// One path per item: `headers` and `url` are namespaces of constants and free functions and
-// stay public, with their types; every other module is private and its public items are
-// re-exported here.
+// One path per item: `headers`, `properties` and `url` are namespaces of constants and free
+// functions and stay public, with their types; every other module is private and its public
+// items are re-exported here.
 pub mod headers;
+pub mod properties;
 #[cfg(feature = "otel")]
 pub mod trace_context;
 pub mod url;

@@ -89,18 +89,10 @@ pub(crate) fn render(err: &anyhow::Error, url: Option<&BrokerUrl>, ctx: &HintCon
     scrub(&out)
 }
 
-/// The cause chain joined by ": ". lapin's errors repeat their source in their own message, so a
-/// cause already contained in the previous text is skipped.
+/// The cause chain joined by ": ", each text once (lapin's errors repeat their source in their
+/// own message).
 fn chain_text(err: &anyhow::Error) -> String {
-    let mut parts: Vec<String> = Vec::new();
-    for cause in err.chain() {
-        let text = cause.to_string();
-        if parts.last().is_some_and(|prev| prev.contains(&text)) {
-            continue;
-        }
-        parts.push(text);
-    }
-    parts.join(": ")
+    redeliver_core::error_chain(err.as_ref())
 }
 
 fn hints(err: &anyhow::Error, url: Option<&BrokerUrl>, ctx: &HintContext) -> Vec<String> {

@@ -7,6 +7,7 @@ use lapin::message::Delivery;
 use lapin::types::{AMQPValue, FieldTable, ShortString};
 use lapin::BasicProperties;
 use redeliver_amqp::headers::{self, DeadLetterInfo, RetryState, XDeath};
+use redeliver_amqp::properties::copy_properties;
 use serde::Serialize;
 
 use crate::text;
@@ -393,45 +394,16 @@ pub(crate) fn destination_from_routing_key(key: &str, levels: u8) -> Option<Stri
 /// - `user_id`: the broker rejects a publish whose user_id is not the connection's user (a 406
 ///   that would close the publishing channel), and the copy is now published by the operator.
 pub(crate) fn replay_properties(p: &BasicProperties, reset_retry_state: bool) -> BasicProperties {
-    let mut out = BasicProperties::default();
-    if let Some(v) = p.content_type() {
-        out = out.with_content_type(v.clone());
-    }
-    if let Some(v) = p.content_encoding() {
-        out = out.with_content_encoding(v.clone());
-    }
+    // No connection user: the operator's (a URL's, or a certificate's with SASL EXTERNAL) is
+    // not the publisher's the message names.
+    let mut out = copy_properties(p, None);
     if let Some(h) = p.headers() {
         out = out.with_headers(replay_headers(h, reset_retry_state));
     }
-    if let Some(v) = p.delivery_mode() {
-        out = out.with_delivery_mode(*v);
-    }
-    if let Some(v) = p.priority() {
-        out = out.with_priority(*v);
-    }
-    if let Some(v) = p.correlation_id() {
-        out = out.with_correlation_id(v.clone());
-    }
-    if let Some(v) = p.reply_to() {
-        out = out.with_reply_to(v.clone());
-    }
+    // Unlike a retry copy this one goes straight back to a consumer queue, where the sender's
+    // TTL still means what it meant.
     if let Some(v) = p.expiration() {
         out = out.with_expiration(v.clone());
-    }
-    if let Some(v) = p.message_id() {
-        out = out.with_message_id(v.clone());
-    }
-    if let Some(v) = p.timestamp() {
-        out = out.with_timestamp(*v);
-    }
-    if let Some(v) = p.kind() {
-        out = out.with_type(v.clone());
-    }
-    if let Some(v) = p.app_id() {
-        out = out.with_app_id(v.clone());
-    }
-    if let Some(v) = p.cluster_id() {
-        out = out.with_cluster_id(v.clone());
     }
     out
 }
@@ -568,6 +540,21 @@ mod tests {
             Some("application/json")
         );
         assert!(r.user_id().is_none());
+    }
+
+    #[test]
+    fn replay_properties_keep_expiration_and_absent_headers() {
+        let p = BasicProperties::default()
+            .with_expiration("60000".into())
+            .with_priority(4);
+        let r = replay_properties(&p, true);
+        assert_eq!(r.expiration().as_ref().map(|s| s.as_str()), Some("60000"));
+        assert_eq!(r.priority(), &Some(4));
+        assert!(r.headers().is_none());
+        let mut h = FieldTable::default();
+        h.insert("x-death".into(), AMQPValue::Boolean(true));
+        let r = replay_properties(&p.with_headers(h), true);
+        assert_eq!(r.headers(), &Some(FieldTable::default()));
     }
 }
 

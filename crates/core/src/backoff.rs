@@ -1,6 +1,13 @@
-//! Un-jittered delay schedules.
+//! Un-jittered delay schedules, and [`Delays`]: a schedule with its jitter as an iterator.
 
+use std::fmt;
+use std::iter::FusedIterator;
 use std::time::Duration;
+
+use rand::rngs::StdRng;
+use rand::SeedableRng;
+
+use crate::jitter::{os_seeded_rng, Jitter};
 
 /// Largest [`Duration`] expressed in nanoseconds.
 const MAX_NANOS: u128 = Duration::MAX.as_nanos();
@@ -118,6 +125,116 @@ impl Backoff {
             Backoff::Linear { cap, .. } | Backoff::Exponential { cap, .. } => *cap,
             Backoff::Fixed(delays) => delays.iter().copied().max().unwrap_or(Duration::ZERO),
         }
+    }
+
+    /// The delays of successive waits with `jitter` applied, as an endless iterator: the pacing
+    /// of something retried in place (a reconnect loop), where a message's retries take theirs
+    /// from [`RetryPolicy`](crate::RetryPolicy). [`Delays::reset`] starts over after a success.
+    ///
+    /// The randomness is seeded by the operating system; [`Delays::seed`] makes it repeatable.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use redeliver_core::{Backoff, Jitter};
+    ///
+    /// let backoff = Backoff::Exponential {
+    ///     base: Duration::from_millis(100),
+    ///     factor: 2.0,
+    ///     cap: Duration::from_secs(1),
+    /// };
+    /// let mut delays = backoff.delays(Jitter::None);
+    /// let first: Vec<u128> = delays.by_ref().take(6).map(|d| d.as_millis()).collect();
+    /// assert_eq!(first, [100, 200, 400, 800, 1000, 1000]);
+    ///
+    /// delays.reset(); // it worked: the next failure waits the shortest delay again
+    /// assert_eq!(delays.next(), Some(Duration::from_millis(100)));
+    ///
+    /// // With jitter each delay is drawn between zero and the backoff's.
+    /// for (n, d) in backoff.delays(Jitter::Full).take(20).enumerate() {
+    ///     assert!(d <= backoff.delay(n as u32));
+    /// }
+    /// ```
+    pub fn delays(&self, jitter: Jitter) -> Delays {
+        Delays {
+            backoff: self.clone(),
+            jitter,
+            attempt: 0,
+            prev: None,
+            rng: os_seeded_rng(),
+        }
+    }
+}
+
+/// The delays of successive waits: a [`Backoff`] with its [`Jitter`], made by
+/// [`Backoff::delays`]. Never ends; each delay is between zero and [`Backoff::cap`].
+#[derive(Clone)]
+pub struct Delays {
+    backoff: Backoff,
+    jitter: Jitter,
+    /// Delays given since the start or the last reset: the backoff's `attempt` of the next one.
+    attempt: u32,
+    /// The previous delay given, which decorrelated jitter grows from.
+    prev: Option<Duration>,
+    rng: StdRng,
+}
+
+impl Delays {
+    /// A deterministic RNG (`StdRng::seed_from_u64(seed)`): the same seed gives the same delays.
+    pub fn seed(mut self, seed: u64) -> Self {
+        self.rng = StdRng::seed_from_u64(seed);
+        self
+    }
+
+    /// Starts the schedule over: the next delay is the first one again. For after a success.
+    pub fn reset(&mut self) {
+        self.attempt = 0;
+        self.prev = None;
+    }
+
+    /// How many delays were given since the start or the last [`reset`](Self::reset).
+    pub fn taken(&self) -> u32 {
+        self.attempt
+    }
+
+    /// The next delay: [`Iterator::next`] without the `Option`, since there always is one.
+    pub fn next_delay(&mut self) -> Duration {
+        let b = &self.backoff;
+        let d = self.jitter.apply(
+            b.delay(self.attempt),
+            self.prev,
+            b.base(),
+            b.cap(),
+            &mut self.rng,
+        );
+        // Saturates: past u32::MAX every delay is the backoff's last (capped) one anyway.
+        self.attempt = self.attempt.saturating_add(1);
+        self.prev = Some(d);
+        d
+    }
+}
+
+impl Iterator for Delays {
+    type Item = Duration;
+
+    fn next(&mut self) -> Option<Duration> {
+        Some(self.next_delay())
+    }
+
+    fn size_hint(&self) -> (usize, Option<usize>) {
+        (usize::MAX, None)
+    }
+}
+
+impl FusedIterator for Delays {}
+
+impl fmt::Debug for Delays {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Delays")
+            .field("backoff", &self.backoff)
+            .field("jitter", &self.jitter)
+            .field("taken", &self.attempt)
+            .field("prev", &self.prev)
+            .finish_non_exhaustive()
     }
 }
 

@@ -9,7 +9,11 @@ use std::time::Duration;
 pub type BoxError = Box<dyn Error + Send + Sync + 'static>;
 
 /// What kind of failure a [`HandlerError`] is.
+///
+/// Non-exhaustive: a match outside this crate needs a `_` arm, so that a new kind (a new way to
+/// settle a message) is not a breaking change.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum ErrorKind {
     /// Worth retrying with the policy's backoff (Celery: an exception in `autoretry_for`).
     Transient,
@@ -108,17 +112,10 @@ impl HandlerError {
         }
     }
 
-    /// The underlying error and its sources, joined by `": "` ("a: b: c"). This is the text
-    /// stored in the `x-redeliver-last-error` header.
+    /// The underlying error and its sources, joined by `": "` ("a: b: c"), each text once (see
+    /// [`error_chain`]). This is the text stored in the `x-redeliver-last-error` header.
     pub fn message(&self) -> String {
-        let mut out = String::new();
-        for (i, link) in self.chain().enumerate() {
-            if i > 0 {
-                out.push_str(": ");
-            }
-            out.push_str(&link.to_string());
-        }
-        out
+        error_chain(self.source_error())
     }
 
     /// The underlying error, then each of its sources in turn.
@@ -166,6 +163,50 @@ impl Error for HandlerError {
     fn source(&self) -> Option<&(dyn Error + 'static)> {
         self.source_error().source()
     }
+}
+
+/// An error and its `source()` chain on one line, joined by `": "` ("a: b: c").
+///
+/// A source whose text the previous text written already contains is left out, and so is an
+/// empty one: many errors repeat their source in their own message (thiserror's
+/// `#[error("reading config: {0}")]`, lapin's errors), and "reading config: not found: not
+/// found" would tell the reader the same thing twice.
+///
+/// ```
+/// use redeliver_core::error_chain;
+///
+/// #[derive(Debug, thiserror::Error)]
+/// #[error("saving thumbnail")]
+/// struct Saving(#[source] std::io::Error);
+///
+/// #[derive(Debug, thiserror::Error)]
+/// #[error("saving thumbnail: {0}")]
+/// struct Repeats(#[source] std::io::Error);
+///
+/// let disk_full = || std::io::Error::other("disk full");
+/// assert_eq!(error_chain(&Saving(disk_full())), "saving thumbnail: disk full");
+/// assert_eq!(error_chain(&Repeats(disk_full())), "saving thumbnail: disk full");
+///
+/// // anyhow's context layers are sources too.
+/// let e = anyhow::anyhow!("disk full").context("saving thumbnail");
+/// assert_eq!(error_chain(e.as_ref()), "saving thumbnail: disk full");
+/// ```
+pub fn error_chain(error: &dyn Error) -> String {
+    let mut out = error.to_string();
+    // Compared with the last text written, not with all of `out`: a short source text is then
+    // less likely to be dropped because some unrelated link happened to contain it.
+    let mut last = out.clone();
+    let mut source = error.source();
+    while let Some(link) = source {
+        let text = link.to_string();
+        if !last.contains(&text) {
+            out.push_str(": ");
+            out.push_str(&text);
+            last = text;
+        }
+        source = link.source();
+    }
+    out
 }
 
 type Rule = Arc<dyn Fn(&HandlerError) -> Option<ErrorKind> + Send + Sync>;
@@ -470,5 +511,64 @@ mod tests {
         let e: HandlerError = anyhow::anyhow!("inner").context("outer").into();
         assert_eq!(e.to_string(), "outer");
         assert_eq!(e.message(), "outer: inner");
+    }
+
+    #[derive(Debug, thiserror::Error)]
+    #[error("{text}")]
+    struct Link {
+        text: &'static str,
+        #[source]
+        source: Option<Box<Link>>,
+    }
+
+    /// An error whose chain has exactly these texts, outermost first.
+    fn chain_of(texts: &[&'static str]) -> Link {
+        let mut links = texts.iter().rev();
+        let first = Link {
+            text: links.next().copied().unwrap_or(""),
+            source: None,
+        };
+        links.fold(first, |inner, text| Link {
+            text,
+            source: Some(Box::new(inner)),
+        })
+    }
+
+    #[test]
+    fn error_chain_does_not_repeat() {
+        // thiserror's `{source}` in the message (the worker's former `error_chain` test).
+        #[derive(Debug, thiserror::Error)]
+        #[error("outer: {0}")]
+        struct Outer(#[source] std::io::Error);
+        let e = Outer(std::io::Error::other("inner"));
+        assert_eq!(error_chain(&e), "outer: inner");
+        assert_eq!(HandlerError::transient(e).message(), "outer: inner");
+
+        // A context repeating its cause (the CLI's former `chain_text` test).
+        let e = anyhow::anyhow!("inner").context("outer: inner");
+        assert_eq!(error_chain(e.as_ref()), "outer: inner");
+
+        // The source quoted inside the message, not only at its end.
+        let e = chain_of(&[
+            "publish failed (connection reset), giving up",
+            "connection reset",
+        ]);
+        assert_eq!(
+            error_chain(&e),
+            "publish failed (connection reset), giving up"
+        );
+    }
+
+    #[test]
+    fn error_chain_keeps_every_new_text() {
+        assert_eq!(error_chain(&chain_of(&["a", "b", "c"])), "a: b: c");
+        assert_eq!(error_chain(&chain_of(&["just one"])), "just one");
+        // Skipped links do not hide the ones after them; empty texts are left out.
+        assert_eq!(
+            error_chain(&chain_of(&["reading x: eof", "eof", "", "disk"])),
+            "reading x: eof: disk"
+        );
+        // Compared with the previous text only: "a" comes back after "b".
+        assert_eq!(error_chain(&chain_of(&["a", "b", "a"])), "a: b: a");
     }
 }

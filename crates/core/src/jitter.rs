@@ -1,8 +1,9 @@
 //! Randomisation of backoff delays.
 
-use std::time::Duration;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use rand::Rng;
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
 
 use crate::backoff::from_nanos_saturating;
 
@@ -18,7 +19,8 @@ use crate::backoff::from_nanos_saturating;
 /// | [`Jitter::Equal`] | `d/2 + rand(0, d/2)` |
 /// | [`Jitter::Decorrelated`] | `min(cap, rand(base, prev * 3))` |
 ///
-/// All bounds are inclusive. Every result is at most `cap`.
+/// All bounds are inclusive. Every result is at most `cap`. Non-exhaustive: another formula may
+/// come, so a match outside this crate needs a `_` arm.
 ///
 /// ```
 /// use std::time::Duration;
@@ -33,6 +35,7 @@ use crate::backoff::from_nanos_saturating;
 /// ```
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 #[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
+#[non_exhaustive]
 pub enum Jitter {
     /// No randomisation: the backoff delay as is.
     #[default]
@@ -103,6 +106,20 @@ impl Jitter {
         };
         from_nanos_saturating(units.saturating_mul(unit))
     }
+}
+
+/// An RNG seeded by the operating system, or by the clock where it has no randomness to give.
+pub(crate) fn os_seeded_rng() -> StdRng {
+    StdRng::try_from_os_rng().unwrap_or_else(|_| {
+        // No OS randomness (a sandbox without getrandom): jitter still needs to differ between
+        // processes, which the clock and an address provide well enough.
+        let nanos = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos() as u64);
+        let local = 0u8;
+        let addr = &local as *const u8 as u64;
+        StdRng::seed_from_u64(nanos ^ addr.rotate_left(32))
+    })
 }
 
 #[cfg(test)]

@@ -62,6 +62,10 @@
 //! any factor give a delay between zero and the cap, never a panic. Randomness comes from a
 //! seedable RNG ([`RetryPolicy::seed`]) so that tests are reproducible.
 //!
+//! Something retried in place rather than through the broker (the worker's reconnect loop) takes
+//! its pacing from [`Backoff::delays`]: the same backoff and jitter as an iterator of delays,
+//! reset after a success.
+//!
 //! # Retry budget
 //!
 //! A [`RetryBudget`] (Finagle's `RetryBudget`, the idea behind gRPC retry throttling) allows
@@ -136,10 +140,10 @@ mod forward;
 mod jitter;
 mod policy;
 
-pub use backoff::Backoff;
+pub use backoff::{Backoff, Delays};
 pub use budget::{BudgetConfig, BudgetExhausted, RetryBudget};
 pub use clock::{Clock, ManualClock, SystemClock};
-pub use error::{BoxError, Classifier, ErrorKind, HandlerError};
+pub use error::{error_chain, BoxError, Classifier, ErrorKind, HandlerError};
 pub use forward::{Forward, TimedOut};
 pub use jitter::Jitter;
 pub use policy::{DeadLetterReason, Decision, RetryPolicy, DEFAULT_CAP, DEFAULT_MAX_RETRIES};

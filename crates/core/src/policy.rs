@@ -2,7 +2,7 @@
 
 use std::fmt;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 use rand::rngs::StdRng;
 use rand::SeedableRng;
@@ -11,7 +11,7 @@ use crate::backoff::Backoff;
 use crate::budget::{BudgetExhausted, RetryBudget};
 use crate::error::{Classifier, ErrorKind, HandlerError};
 use crate::forward::Forward;
-use crate::jitter::Jitter;
+use crate::jitter::{os_seeded_rng, Jitter};
 
 /// Cap of [`RetryPolicy::exponential`] unless [`RetryPolicy::cap`] sets another.
 pub const DEFAULT_CAP: Duration = Duration::from_secs(60);
@@ -443,19 +443,6 @@ impl fmt::Debug for RetryPolicy {
             .field("forward", &self.forward)
             .finish_non_exhaustive()
     }
-}
-
-fn os_seeded_rng() -> StdRng {
-    StdRng::try_from_os_rng().unwrap_or_else(|_| {
-        // No OS randomness (a sandbox without getrandom): jitter still needs to differ between
-        // processes, which the clock and an address provide well enough.
-        let nanos = SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .map_or(0, |d| d.as_nanos() as u64);
-        let local = 0u8;
-        let addr = &local as *const u8 as u64;
-        StdRng::seed_from_u64(nanos ^ addr.rotate_left(32))
-    })
 }
 
 #[cfg(test)]

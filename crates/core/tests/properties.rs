@@ -200,3 +200,38 @@ proptest! {
         prop_assert_eq!(a, b);
     }
 }
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(128))]
+
+    #[test]
+    fn delays_stay_within_zero_and_cap(
+        b in backoff(),
+        j in jitter(),
+        seed in any::<u64>(),
+        n in 1usize..40,
+    ) {
+        let cap = b.cap();
+        for d in b.delays(j).seed(seed).take(n) {
+            prop_assert!(d <= cap, "{:?} above the cap {:?}", d, cap);
+        }
+    }
+
+    #[test]
+    fn delays_without_jitter_follow_the_backoff(b in backoff(), n in 1usize..40, before in 0usize..8) {
+        let mut delays = b.delays(Jitter::None);
+        // Whatever came before a reset, the schedule starts over.
+        delays.by_ref().take(before).for_each(drop);
+        delays.reset();
+        for (attempt, d) in delays.take(n).enumerate() {
+            prop_assert_eq!(d, b.delay(attempt as u32));
+        }
+    }
+
+    #[test]
+    fn seeded_delays_repeat(b in backoff(), j in jitter(), seed in any::<u64>()) {
+        let one: Vec<Duration> = b.delays(j).seed(seed).take(10).collect();
+        let two: Vec<Duration> = b.delays(j).seed(seed).take(10).collect();
+        prop_assert_eq!(one, two);
+    }
+}

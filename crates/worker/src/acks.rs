@@ -56,12 +56,14 @@ struct State {
     closed: bool,
 }
 
-struct Shared {
+/// Where the consume loop and the delivery tasks leave work for the ack task: the [`State`]
+/// under its lock, and the notification that wakes the task.
+struct AckMailbox {
     state: Mutex<State>,
     wake: Notify,
 }
 
-impl Shared {
+impl AckMailbox {
     fn lock(&self) -> MutexGuard<'_, State> {
         // The critical sections cannot panic half-way through an update that matters: a
         // poisoned lock still holds a usable window.
@@ -72,14 +74,14 @@ impl Shared {
 /// The ack side of one consumer channel, owned by its session: dropping it ends the ack task
 /// after a last flush.
 pub(crate) struct AckSender {
-    shared: Arc<Shared>,
+    mailbox: Arc<AckMailbox>,
     channel: Channel,
 }
 
 impl AckSender {
     /// Starts the ack task of `channel`, whose consumer has `prefetch`.
     pub(crate) fn spawn(channel: Channel, meters: Meters, prefetch: u16) -> Self {
-        let shared = Arc::new(Shared {
+        let mailbox = Arc::new(AckMailbox {
             state: Mutex::new(State {
                 window: Window::default(),
                 batch: usize::from(prefetch / 10).max(1),
@@ -89,20 +91,20 @@ impl AckSender {
             }),
             wake: Notify::new(),
         });
-        tokio::spawn(run(channel.clone(), meters, Arc::clone(&shared)));
-        Self { shared, channel }
+        tokio::spawn(run(channel.clone(), meters, Arc::clone(&mailbox)));
+        Self { mailbox, channel }
     }
 
     /// A delivery arrived; must be called in delivery order, before its task can mark it.
     pub(crate) fn register(&self, tag: u64) {
-        self.shared.lock().window.register(tag);
+        self.mailbox.lock().window.register(tag);
     }
 
     /// The message may be acked; `success` when its handler succeeded (counted in
     /// `redeliver_messages_succeeded_total` once the ack is sent), false for the original of a
     /// confirmed retry copy.
     pub(crate) fn ack(&self, tag: u64, success: bool) {
-        let mut st = self.shared.lock();
+        let mut st = self.mailbox.lock();
         st.window.ack(tag, success);
         self.wake_if_needed(st);
     }
@@ -120,7 +122,7 @@ impl AckSender {
 
     /// The delivery was settled with its own frame (reject, nack); it no longer blocks others.
     pub(crate) fn released(&self, tag: u64) {
-        let mut st = self.shared.lock();
+        let mut st = self.mailbox.lock();
         st.window.release(tag);
         self.wake_if_needed(st);
     }
@@ -133,23 +135,23 @@ impl AckSender {
             .front_run_reaches(if st.lingering { st.batch } else { 1 });
         drop(st);
         if wake {
-            self.shared.wake.notify_one();
+            self.mailbox.wake.notify_one();
         }
     }
 
     /// Acks everything finished, blocked or not, and waits until those frames are written.
     pub(crate) async fn flush(&self) {
         let (done, wait) = oneshot::channel();
-        self.shared.lock().flushes.push(done);
-        self.shared.wake.notify_one();
+        self.mailbox.lock().flushes.push(done);
+        self.mailbox.wake.notify_one();
         let _ = wait.await;
     }
 }
 
 impl Drop for AckSender {
     fn drop(&mut self) {
-        self.shared.lock().closed = true;
-        self.shared.wake.notify_one();
+        self.mailbox.lock().closed = true;
+        self.mailbox.wake.notify_one();
     }
 }
 
@@ -257,7 +259,7 @@ impl Window {
     }
 }
 
-async fn run(channel: Channel, meters: Meters, shared: Arc<Shared>) {
+async fn run(channel: Channel, meters: Meters, mailbox: Arc<AckMailbox>) {
     let mut tick = tokio::time::interval(STALE_AFTER);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     // Since when a run below the batch size has been held back.
@@ -271,12 +273,12 @@ async fn run(channel: Channel, meters: Meters, shared: Arc<Shared>) {
         };
         let mut lingered = false;
         tokio::select! {
-            _ = shared.wake.notified() => {}
+            _ = mailbox.wake.notified() => {}
             _ = linger => lingered = true,
-            _ = tick.tick() => shared.lock().window.next_tick(),
+            _ = tick.tick() => mailbox.lock().window.next_tick(),
         }
         let (frames, flushes, closed) = {
-            let mut st = shared.lock();
+            let mut st = mailbox.lock();
             let flushes = std::mem::take(&mut st.flushes);
             let all = st.closed || !flushes.is_empty();
             let with_run = lingered || st.window.front_run_reaches(st.batch);

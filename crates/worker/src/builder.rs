@@ -251,7 +251,9 @@ impl WorkerBuilder {
         self
     }
 
-    /// Pacing of reconnect attempts.
+    /// Pacing of reconnect attempts: the pause after a lost session, or after a round of URLs
+    /// that all failed, is the next of [`Backoff::delays`]; it starts over from the first once a
+    /// session consumes again.
     pub fn reconnect_backoff(mut self, backoff: Backoff, jitter: Jitter) -> Self {
         self.settings.reconnect_backoff = backoff;
         self.settings.reconnect_jitter = jitter;

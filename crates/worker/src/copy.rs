@@ -7,6 +7,7 @@ use std::time::Duration;
 use lapin::types::FieldTable;
 use lapin::BasicProperties;
 use redeliver_amqp::headers::{self, DeadLetterInfo, ForwardInfo, RetryState};
+use redeliver_amqp::properties::copy_properties;
 
 /// The delivery a copy replaces.
 #[derive(Clone, Copy)]
@@ -25,7 +26,7 @@ impl Original<'_> {
     }
 
     fn with_headers(&self, headers: FieldTable) -> BasicProperties {
-        copy_properties(self.properties, headers, self.connection_user)
+        copy_properties(self.properties, Some(self.connection_user)).with_headers(headers)
     }
 
     /// A retry copy: the retry state moved on to `attempt`, the broker's bookkeeping dropped.
@@ -91,54 +92,6 @@ fn next_retry_state(
             .or_else(|| Some(delivery_routing_key.to_owned())),
         delay: Some(delay),
     }
-}
-
-// TEMP until the amqp crate's shared copy lands.
-fn copy_properties(
-    original: &BasicProperties,
-    headers: FieldTable,
-    connection_user: &str,
-) -> BasicProperties {
-    let mut p = BasicProperties::default().with_headers(headers);
-    if let Some(v) = original.content_type() {
-        p = p.with_content_type(v.clone());
-    }
-    if let Some(v) = original.content_encoding() {
-        p = p.with_content_encoding(v.clone());
-    }
-    if let Some(v) = original.delivery_mode() {
-        p = p.with_delivery_mode(*v);
-    }
-    if let Some(v) = original.priority() {
-        p = p.with_priority(*v);
-    }
-    if let Some(v) = original.correlation_id() {
-        p = p.with_correlation_id(v.clone());
-    }
-    if let Some(v) = original.reply_to() {
-        p = p.with_reply_to(v.clone());
-    }
-    if let Some(v) = original.message_id() {
-        p = p.with_message_id(v.clone());
-    }
-    if let Some(v) = original.timestamp() {
-        p = p.with_timestamp(*v);
-    }
-    if let Some(v) = original.kind() {
-        p = p.with_type(v.clone());
-    }
-    if let Some(v) = original.user_id() {
-        if v.as_str() == connection_user {
-            p = p.with_user_id(v.clone());
-        }
-    }
-    if let Some(v) = original.app_id() {
-        p = p.with_app_id(v.clone());
-    }
-    if let Some(v) = original.cluster_id() {
-        p = p.with_cluster_id(v.clone());
-    }
-    p
 }
 
 #[cfg(test)]

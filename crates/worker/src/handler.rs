@@ -120,6 +120,27 @@ impl DecodeError {
 /// let d = Delivery::mock(1, "".into(), "q".into(), false, b"a,b".to_vec());
 /// assert_eq!(Csv::from_delivery(&d).unwrap().0, ["a", "b"]);
 /// ```
+///
+/// A handler's first argument must be one of these. A plain serde type is not, and the compiler
+/// then says which ones are: ``error[E0277]: a handler cannot take `Order` as its message``,
+/// with a note listing them and one suggesting `Json<Order>`:
+///
+/// ```compile_fail,E0277
+/// use redeliver_worker::{Context, HandlerError, Worker};
+///
+/// #[derive(serde::Deserialize)]
+/// struct Order { id: u64 }
+///
+/// Worker::builder("amqp://127.0.0.1:5672/%2f")
+///     .queue("orders")
+///     .handler(|order: Order, _ctx: Context| async move { Ok::<(), HandlerError>(()) });
+/// ```
+#[diagnostic::on_unimplemented(
+    message = "a handler cannot take `{Self}` as its message",
+    label = "`{Self}` does not implement `FromDelivery`",
+    note = "a handler is `|message, ctx: Context|`, where `message` is `Json<T>` (T: serde::Deserialize), `Raw` (the body's bytes), `Text` (a UTF-8 body) or a type of yours that implements `FromDelivery`",
+    note = "for a JSON body, take `Json<{Self}>` (it derefs to `{Self}`)"
+)]
 pub trait FromDelivery: Sized + Send + 'static {
     /// Decodes `delivery` (body in `delivery.data`, properties in `delivery.properties`).
     fn from_delivery(delivery: &Delivery) -> Result<Self, DecodeError>;

@@ -89,7 +89,7 @@ impl Outcome {
     pub(crate) fn undecodable(error: &dyn std::error::Error) -> Self {
         Outcome::DeadLetter {
             reason: metrics_names::REASON_UNDECODABLE,
-            error: error_chain(error),
+            error: redeliver_core::error_chain(error),
         }
     }
 }
@@ -149,21 +149,6 @@ impl fmt::Display for Settled {
             Settled::Failed => "settle_failed",
         })
     }
-}
-
-// TEMP until the core's renderer lands.
-fn error_chain(error: &dyn std::error::Error) -> String {
-    let mut out = error.to_string();
-    let mut source = error.source();
-    while let Some(s) = source {
-        let text = s.to_string();
-        if !out.ends_with(&text) {
-            out.push_str(": ");
-            out.push_str(&text);
-        }
-        source = s.source();
-    }
-    out
 }
 
 /// Renders a panic payload (a `&str` or `String` for `panic!` with a message).

@@ -3,8 +3,6 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use rand::rngs::StdRng;
-use rand::SeedableRng;
 use redeliver_amqp::Topology;
 use tokio_util::sync::CancellationToken;
 use tracing::{error, info, warn};
@@ -150,12 +148,13 @@ async fn reconnect_loop(
     token: &CancellationToken,
 ) -> Result<(), WorkerError> {
     let config = &shared.config;
-    let mut rng = StdRng::from_os_rng();
-    let mut failures: u32 = 0;
-    let mut prev_delay: Option<Duration> = None;
+    // The pauses between rounds, reset once a session consumed.
+    let mut delays = config.settings.reconnect_delays();
+    let mut failed_rounds: u32 = 0;
     let mut ever_consumed = false;
     // Round robin over the URLs; `tried` counts the failures since the last pause, so a pause
-    // comes only after every URL failed once, and `failures` counts such failed rounds.
+    // comes only after every URL failed once, and `failed_rounds` counts such rounds (for the
+    // logs).
     let mut url_index = 0usize;
     let mut tried = 0usize;
     loop {
@@ -175,7 +174,7 @@ async fn reconnect_loop(
         let failed = match opened {
             Ok(Ok(session)) => {
                 if ever_consumed {
-                    info!(queue = %config.queue, broker = %url, after_failed_rounds = failures, "connection recovered; consuming again");
+                    info!(queue = %config.queue, broker = %url, after_failed_rounds = failed_rounds, "connection recovered; consuming again");
                     metrics::counter!(metrics_names::RECONNECTS, metrics_names::LABEL_QUEUE => config.queue.clone())
                         .increment(1);
                 } else {
@@ -187,9 +186,9 @@ async fn reconnect_loop(
                         "consuming"
                     );
                 }
-                failures = 0;
+                failed_rounds = 0;
                 tried = 0;
-                prev_delay = None;
+                delays.reset();
                 ever_consumed = true;
                 status.set_broker(url_index);
                 status.set(WorkerState::Consuming);
@@ -210,11 +209,11 @@ async fn reconnect_loop(
             }
             Ok(Err(e)) if e.is_fatal() => return Err(e),
             Ok(Err(e)) => {
-                warn!(queue = %config.queue, broker = %url, round = failures + 1, error = %e, "cannot connect and consume");
+                warn!(queue = %config.queue, broker = %url, round = failed_rounds + 1, error = %e, "cannot connect and consume");
                 true
             }
             Err(_elapsed) => {
-                warn!(queue = %config.queue, broker = %url, round = failures + 1, timeout = ?CONNECT_TIMEOUT, "connect attempt timed out");
+                warn!(queue = %config.queue, broker = %url, round = failed_rounds + 1, timeout = ?CONNECT_TIMEOUT, "connect attempt timed out");
                 true
             }
         };
@@ -226,17 +225,9 @@ async fn reconnect_loop(
                 continue;
             }
             tried = 0;
-            failures = failures.saturating_add(1);
+            failed_rounds = failed_rounds.saturating_add(1);
         }
-        let backoff = &config.settings.reconnect_backoff;
-        let d = config.settings.reconnect_jitter.apply(
-            backoff.delay(failures.saturating_sub(1)),
-            prev_delay,
-            backoff.base(),
-            backoff.cap(),
-            &mut rng,
-        );
-        prev_delay = Some(d);
+        let d = delays.next_delay();
         tracing::debug!(queue = %config.queue, delay = ?d, "waiting before reconnecting");
         tokio::select! {
             _ = token.cancelled() => break,

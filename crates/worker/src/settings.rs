@@ -9,7 +9,7 @@ use redeliver_amqp::url::{self, BrokerUrl};
 use redeliver_amqp::DelayConfig;
 use redeliver_amqp::TlsConfig;
 use redeliver_amqp::Topology;
-use redeliver_core::{Backoff, Jitter, RetryPolicy};
+use redeliver_core::{Backoff, Delays, Jitter, RetryPolicy};
 
 use crate::handler::ErasedHandler;
 
@@ -188,6 +188,12 @@ impl Settings {
     /// Pacing of reconnect attempts.
     pub fn reconnect_backoff(&self) -> (&Backoff, Jitter) {
         (&self.reconnect_backoff, self.reconnect_jitter)
+    }
+
+    /// The pauses of the reconnect loop: [`reconnect_backoff`](Self::reconnect_backoff) as an
+    /// iterator of delays.
+    pub(crate) fn reconnect_delays(&self) -> Delays {
+        self.reconnect_backoff.delays(self.reconnect_jitter)
     }
 
     /// Requeues of one message before it is dead-lettered instead.
