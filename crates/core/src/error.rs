@@ -61,6 +61,8 @@ enum Source {
 pub struct HandlerError {
     kind: ErrorKind,
     source: Source,
+    /// The dead-letter reason the handler named (see [`HandlerError::permanent_because`]).
+    reason: Option<&'static str>,
 }
 
 impl HandlerError {
@@ -69,6 +71,7 @@ impl HandlerError {
         HandlerError {
             kind,
             source: Source::Boxed(e.into()),
+            reason: None,
         }
     }
 
@@ -86,6 +89,33 @@ impl HandlerError {
     /// against `max_retries`.
     pub fn retry_after(d: Duration, e: impl Into<BoxError>) -> Self {
         Self::new(ErrorKind::RetryAfter(d), e)
+    }
+
+    /// A permanent failure with a dead-letter reason of its own, shown in the
+    /// `x-redeliver-dead-letter-reason` header (annotate mode), the `reason` label of
+    /// `redeliver_messages_dead_lettered_total` and the span, instead of `permanent`; for a
+    /// failure an operator should tell apart from the handler's other permanent errors (a
+    /// message without the `message_id` an inbox needs, say). Use a stable `snake_case` name.
+    ///
+    /// ```
+    /// use redeliver_core::{Decision, HandlerError, RetryPolicy};
+    ///
+    /// let e = HandlerError::permanent_because("no_message_id", "the inbox needs a message_id");
+    /// match RetryPolicy::default().decide(0, None, &e) {
+    ///     Decision::DeadLetter(reason) => assert_eq!(reason.as_str(), "no_message_id"),
+    ///     other => panic!("unexpected {other:?}"),
+    /// }
+    /// ```
+    pub fn permanent_because(reason: &'static str, e: impl Into<BoxError>) -> Self {
+        HandlerError {
+            reason: Some(reason),
+            ..Self::permanent(e)
+        }
+    }
+
+    /// The dead-letter reason given with [`permanent_because`](Self::permanent_because).
+    pub fn dead_letter_reason(&self) -> Option<&'static str> {
+        self.reason
     }
 
     /// A failure to send on to the policy's [`Forward`](crate::Forward) destination.
@@ -148,6 +178,7 @@ impl From<anyhow::Error> for HandlerError {
         HandlerError {
             kind: ErrorKind::Unclassified,
             source: Source::Anyhow(e),
+            reason: None,
         }
     }
 }

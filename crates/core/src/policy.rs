@@ -51,6 +51,9 @@ pub enum DeadLetterReason {
     BudgetExhausted,
     /// The error is of the forward kind but the policy has no [`Forward`] destination.
     ForwardUnconfigured,
+    /// A permanent error whose reason the handler named
+    /// ([`HandlerError::permanent_because`]).
+    Named(&'static str),
 }
 
 impl DeadLetterReason {
@@ -62,6 +65,7 @@ impl DeadLetterReason {
             DeadLetterReason::RetriesExhausted { .. } => "retries_exhausted",
             DeadLetterReason::BudgetExhausted => "budget_exhausted",
             DeadLetterReason::ForwardUnconfigured => "forward_unconfigured",
+            DeadLetterReason::Named(reason) => reason,
         }
     }
 }
@@ -359,7 +363,12 @@ impl RetryPolicy {
         err: &HandlerError,
     ) -> Decision {
         let delay = match self.classifier.classify(err) {
-            ErrorKind::Permanent => return Decision::DeadLetter(DeadLetterReason::Permanent),
+            ErrorKind::Permanent => {
+                return Decision::DeadLetter(match err.dead_letter_reason() {
+                    Some(reason) => DeadLetterReason::Named(reason),
+                    None => DeadLetterReason::Permanent,
+                })
+            }
             ErrorKind::Forward => match &self.forward {
                 None => return Decision::DeadLetter(DeadLetterReason::ForwardUnconfigured),
                 Some(to) if to.due(retries_so_far) => return Decision::Forward(to.clone()),

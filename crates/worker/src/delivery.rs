@@ -107,6 +107,8 @@ impl<L: Link> DeliveryTask<L> {
             duration_ms = tracing::field::Empty,
             reason = tracing::field::Empty,
             error = tracing::field::Empty,
+            // Set by an inbox that found the message already processed (acked, handler not run).
+            duplicate = tracing::field::Empty,
         );
         #[cfg(feature = "otel")]
         {
