@@ -20,7 +20,7 @@ use std::process::ExitCode;
 
 use anyhow::bail;
 use clap::Parser;
-use redeliver::worker::env::ServiceConfig;
+use redeliver::worker::env::ServiceSettings;
 use redeliver::WorkerBuilder;
 
 #[tokio::main]
@@ -35,7 +35,7 @@ async fn main() -> ExitCode {
 }
 
 async fn demo(args: run::Args) -> anyhow::Result<()> {
-    let service = ServiceConfig::from_env()?;
+    let service = ServiceSettings::from_env()?;
     let cfg = WorkerBuilder::from_env()?.settings().clone();
     // Quiet unless asked: a newcomer sees a progress bar and the summary, not every delivery's
     // log line (the dead-lettered ones are in the summary); `RUST_LOG=info` shows them. lapin

@@ -30,7 +30,7 @@ mod job;
 use std::time::Duration;
 
 use anyhow::anyhow;
-use redeliver::worker::env::{LogFormat, ServiceConfig};
+use redeliver::worker::env::{LogFormat, ServiceSettings};
 use redeliver::worker::health::{self, Health};
 use redeliver::{
     CancellationToken, Classifier, Context, Forward, Jitter, Json, RetryPolicy, TimedOut, Worker,
@@ -42,7 +42,7 @@ const TIME_LIMIT: Duration = Duration::from_secs(10);
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    let cfg = ServiceConfig::from_env()?;
+    let cfg = ServiceSettings::from_env()?;
     init_logging(&cfg)?;
     let standard = builder()?;
     let settings = standard.settings().clone();
@@ -109,7 +109,7 @@ async fn process(job: Json<job::ImageJob>, ctx: Context) -> Result<(), redeliver
 
 /// Logs to stderr, as JSON when `REDELIVER_LOG_FORMAT=json`, filtered by `RUST_LOG`: the
 /// worker reads these settings but leaves installing a subscriber to the service.
-fn init_logging(cfg: &ServiceConfig) -> anyhow::Result<()> {
+fn init_logging(cfg: &ServiceSettings) -> anyhow::Result<()> {
     // Without RUST_LOG: our info lines, but not lapin's chatter.
     let directives = match std::env::var_os("RUST_LOG") {
         Some(_) => cfg.log_filter.clone(),

@@ -1,5 +1,5 @@
 //! The environment reader (`redeliver_worker::env`): what a deployment sets, read through
-//! `WorkerBuilder::env_from` and `ServiceConfig::from_lookup`, files included (`AMQP_URL_FILE`,
+//! `WorkerBuilder::env_from` and `ServiceSettings::from_lookup`, files included (`AMQP_URL_FILE`,
 //! `AMQP_PASSWORD_FILE`: written by the target into a directory of its own, never a path from
 //! the input).
 //!
@@ -15,7 +15,7 @@ use std::sync::OnceLock;
 use arbitrary::{Arbitrary, Unstructured};
 use libfuzzer_sys::fuzz_target;
 use redeliver_fuzz::secret::{ambiguous, leaks, plain, without_canary, CANARY};
-use redeliver_worker::env::{ServiceConfig, REPLACED, VARIABLES};
+use redeliver_worker::env::{ServiceSettings, REPLACED, VARIABLES};
 use redeliver_worker::Worker;
 
 #[derive(Arbitrary, Debug)]
@@ -111,5 +111,5 @@ fuzz_target!(|data: &[u8]| {
             );
         }
     }
-    let _ = ServiceConfig::from_lookup(lookup);
+    let _ = ServiceSettings::from_lookup(lookup);
 });

@@ -22,9 +22,9 @@
 //! | `REDELIVER_MAX_RETRIES` | the [`policy`](WorkerBuilder::policy)'s [`max_retries`](crate::RetryPolicy::max_retries) | integer |
 //! | `REDELIVER_RETRY_BASE` | the policy's [`base`](crate::RetryPolicy::base) | a duration |
 //! | `REDELIVER_RETRY_CAP` | the policy's [`cap`](crate::RetryPolicy::cap) | a duration |
-//! | `REDELIVER_HEALTH_ADDR` | [`ServiceConfig::health_addr`]: the health server's address | `0.0.0.0:8080`, `[::1]:8080`, or a bare port `8080` (every IPv4 and IPv6 address); unset: no server |
-//! | `REDELIVER_LOG_FORMAT` | [`ServiceConfig::log_format`] | `json` or `pretty` (default) |
-//! | `RUST_LOG` | [`ServiceConfig::log_filter`] | `tracing` filter directives (default `info`) |
+//! | `REDELIVER_HEALTH_ADDR` | [`ServiceSettings::health_addr`]: the health server's address | `0.0.0.0:8080`, `[::1]:8080`, or a bare port `8080` (every IPv4 and IPv6 address); unset: no server |
+//! | `REDELIVER_LOG_FORMAT` | [`ServiceSettings::log_format`] | `json` or `pretty` (default) |
+//! | `RUST_LOG` | [`ServiceSettings::log_filter`] | `tracing` filter directives (default `info`) |
 //!
 //! A variable that is not set leaves the setting as the code (or the default, see
 //! [`WorkerBuilder`'s defaults](WorkerBuilder#defaults)) had it. An empty variable counts as
@@ -32,7 +32,7 @@
 //! its value and what was expected, so a misconfigured pod fails at startup instead of running
 //! with a default nobody chose.
 //!
-//! The last three are the process's, not a worker's: [`ServiceConfig`] reads them, and the
+//! The last three are the process's, not a worker's: [`ServiceSettings`] reads them, and the
 //! service sets up its health server and `tracing-subscriber` with them (the worker crate
 //! installs no logger).
 //!
@@ -52,15 +52,18 @@
 //! # Ok(()) }
 //! ```
 
-use std::net::{Ipv6Addr, SocketAddr};
-use std::str::FromStr;
-use std::time::Duration;
-
 use redeliver_amqp::url::{self, BrokerUrl};
 #[cfg(test)]
 use redeliver_core::RetryPolicy;
 
 use crate::{Worker, WorkerBuilder};
+
+mod read;
+mod service;
+
+pub use read::EnvError;
+use read::{boolean, duration, nonempty, parse, process_env, Source};
+pub use service::{LogFormat, ServiceSettings};
 
 /// `AMQP_URL`: the broker URL, or several separated by `;` (cluster nodes, tried in turn).
 pub const AMQP_URL: &str = "AMQP_URL";
@@ -150,127 +153,6 @@ pub const DEFAULT_AMQP_URL: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
 /// Default of `RUST_LOG`.
 pub const DEFAULT_LOG_FILTER: &str = "info";
 
-/// A variable with a value that cannot be used.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("invalid {var}={value:?}: {reason}")]
-pub struct ConfigError {
-    var: &'static str,
-    value: String,
-    reason: String,
-}
-
-impl ConfigError {
-    fn new(var: &'static str, value: &str, reason: impl Into<String>) -> Self {
-        Self {
-            var,
-            value: value.to_owned(),
-            reason: reason.into(),
-        }
-    }
-
-    /// The variable's name.
-    pub fn var(&self) -> &'static str {
-        self.var
-    }
-
-    /// The value found (a URL's password is masked).
-    pub fn value(&self) -> &str {
-        &self.value
-    }
-
-    /// What was expected.
-    pub fn reason(&self) -> &str {
-        &self.reason
-    }
-}
-
-/// Log output format, from `REDELIVER_LOG_FORMAT`.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub enum LogFormat {
-    /// Human-readable lines (the default).
-    #[default]
-    Pretty,
-    /// One JSON object per line, for log collectors.
-    Json,
-}
-
-impl FromStr for LogFormat {
-    type Err = String;
-
-    fn from_str(s: &str) -> Result<Self, Self::Err> {
-        match s.trim().to_ascii_lowercase().as_str() {
-            "pretty" | "text" => Ok(LogFormat::Pretty),
-            "json" => Ok(LogFormat::Json),
-            _ => Err("expected `json` or `pretty`".into()),
-        }
-    }
-}
-
-/// The process-wide settings of a service, from the environment: where the health server
-/// listens and how to log.
-#[derive(Clone, Debug, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct ServiceConfig {
-    /// `REDELIVER_HEALTH_ADDR`; `None` means no health server.
-    pub health_addr: Option<SocketAddr>,
-    /// `REDELIVER_LOG_FORMAT`.
-    pub log_format: LogFormat,
-    /// `RUST_LOG`, or [`DEFAULT_LOG_FILTER`].
-    pub log_filter: String,
-}
-
-impl Default for ServiceConfig {
-    /// What an empty environment gives.
-    fn default() -> Self {
-        Self {
-            health_addr: None,
-            log_format: LogFormat::default(),
-            log_filter: DEFAULT_LOG_FILTER.to_owned(),
-        }
-    }
-}
-
-impl ServiceConfig {
-    /// Reads `REDELIVER_HEALTH_ADDR`, `REDELIVER_LOG_FORMAT` and `RUST_LOG`.
-    ///
-    /// # Errors
-    ///
-    /// The first variable whose value is not valid (not Unicode included).
-    pub fn from_env() -> Result<Self, ConfigError> {
-        Self::read(&process_env)
-    }
-
-    /// The same, through `lookup` instead of the environment.
-    ///
-    /// ```
-    /// use redeliver_worker::env::{LogFormat, ServiceConfig};
-    /// let cfg = ServiceConfig::from_lookup(|n| (n == "REDELIVER_LOG_FORMAT").then(|| "json".into()))
-    ///     .unwrap();
-    /// assert_eq!(cfg.log_format, LogFormat::Json);
-    /// assert_eq!(cfg.health_addr, None);
-    /// ```
-    pub fn from_lookup(lookup: impl Fn(&str) -> Option<String>) -> Result<Self, ConfigError> {
-        Self::read(&|name| Ok(lookup(name)))
-    }
-
-    fn read(get: &Source<'_>) -> Result<Self, ConfigError> {
-        let var = |name| nonempty(get, name);
-        let mut cfg = ServiceConfig {
-            health_addr: parse(HEALTH_ADDR, var(HEALTH_ADDR)?, socket_addr)?,
-            ..ServiceConfig::default()
-        };
-        if let Some(v) = var(LOG_FORMAT)? {
-            cfg.log_format = v
-                .parse()
-                .map_err(|reason: String| ConfigError::new(LOG_FORMAT, &v, reason))?;
-        }
-        if let Some(v) = var(RUST_LOG)? {
-            cfg.log_filter = v;
-        }
-        Ok(cfg)
-    }
-}
-
 impl WorkerBuilder {
     /// A builder from the environment alone: the default URL
     /// (`amqp://guest:guest@127.0.0.1:5672/%2f`) unless `AMQP_URL` says otherwise, then
@@ -290,7 +172,7 @@ impl WorkerBuilder {
     /// # Errors
     ///
     /// See [`env`](Self::env).
-    pub fn from_env() -> Result<WorkerBuilder, ConfigError> {
+    pub fn from_env() -> Result<WorkerBuilder, EnvError> {
         Worker::builder(DEFAULT_AMQP_URL).env()
     }
 
@@ -301,7 +183,7 @@ impl WorkerBuilder {
     ///
     /// The first variable whose value is not valid (not Unicode included); a URL's password is
     /// never in the error.
-    pub fn env(self) -> Result<Self, ConfigError> {
+    pub fn env(self) -> Result<Self, EnvError> {
         self.read_env(&process_env)
     }
 
@@ -322,20 +204,20 @@ impl WorkerBuilder {
     ///     .unwrap_err();
     /// assert_eq!(err.var(), "REDELIVER_CONCURRENCY");
     /// ```
-    pub fn env_from(self, lookup: impl Fn(&str) -> Option<String>) -> Result<Self, ConfigError> {
+    pub fn env_from(self, lookup: impl Fn(&str) -> Option<String>) -> Result<Self, EnvError> {
         self.read_env(&|name| Ok(lookup(name)))
     }
 
-    fn read_env(mut self, get: &Source<'_>) -> Result<Self, ConfigError> {
+    fn read_env(mut self, get: &Source<'_>) -> Result<Self, EnvError> {
         let var = |name| nonempty(get, name);
         let s = self.settings_mut();
         let file = |name: &'static str, what: &'static str, path: String| {
             url::read_secret_file(what, std::path::Path::new(&path))
-                .map_err(|e| ConfigError::new(name, &path, e.to_string()))
+                .map_err(|e| EnvError::new(name, &path, e.to_string()))
         };
         let (url_var, mut urls) = match (var(AMQP_URL)?, var(AMQP_URL_FILE)?) {
             (Some(_), Some(_)) => {
-                return Err(ConfigError::new(
+                return Err(EnvError::new(
                     AMQP_URL_FILE,
                     "(set)",
                     "set AMQP_URL or AMQP_URL_FILE, not both",
@@ -359,13 +241,13 @@ impl WorkerBuilder {
             };
             // A URL without a user is an error, not a login as `guest`.
             let with = url::with_password(&base, &password)
-                .map_err(|e| ConfigError::new(AMQP_PASSWORD_FILE, &path, e.to_string()))?;
+                .map_err(|e| EnvError::new(AMQP_PASSWORD_FILE, &path, e.to_string()))?;
             urls = Some(with);
         }
         if let Some(value) = urls {
             // Parsing refuses amqps:// in a build without TLS, and never echoes a password.
             BrokerUrl::parse_list(&value).map_err(|e| {
-                ConfigError::new(
+                EnvError::new(
                     url_var,
                     &url::redact(&value),
                     format!("{e}; several URLs are separated by `;`"),
@@ -395,14 +277,14 @@ impl WorkerBuilder {
             }
             (None, None) => {}
             (Some(c), None) => {
-                return Err(ConfigError::new(
+                return Err(EnvError::new(
                     TLS_CERT_FILE,
                     &c,
                     "also set REDELIVER_TLS_KEY_FILE (the certificate's private key)",
                 ))
             }
             (None, Some(k)) => {
-                return Err(ConfigError::new(
+                return Err(EnvError::new(
                     TLS_KEY_FILE,
                     &k,
                     "also set REDELIVER_TLS_CERT_FILE (the client certificate)",
@@ -442,7 +324,7 @@ impl WorkerBuilder {
         }
         for (old, new) in REPLACED {
             if let Some(v) = var(old)? {
-                return Err(ConfigError::new(
+                return Err(EnvError::new(
                     old,
                     &v,
                     format!("no longer read: set {new} instead, to a duration with its unit (`25s`, `250ms`)"),
@@ -484,75 +366,10 @@ impl WorkerBuilder {
     }
 }
 
-/// Where variables come from: the process environment or a caller's lookup.
-type Source<'a> = dyn Fn(&'static str) -> Result<Option<String>, ConfigError> + 'a;
-
-fn process_env(name: &'static str) -> Result<Option<String>, ConfigError> {
-    match std::env::var(name) {
-        Ok(v) => Ok(Some(v)),
-        Err(std::env::VarError::NotPresent) => Ok(None),
-        Err(std::env::VarError::NotUnicode(raw)) => {
-            let lossy = raw.to_string_lossy();
-            // A URL's password is masked here as everywhere: the rest of the value still helps
-            // to find the bad byte.
-            let shown = if name == AMQP_URL {
-                url::redact(&lossy)
-            } else {
-                lossy.into_owned()
-            };
-            Err(ConfigError::new(name, &shown, "not valid Unicode"))
-        }
-    }
-}
-
-/// Empty means unset: templated manifests often render a missing value as "".
-fn nonempty(get: &Source<'_>, name: &'static str) -> Result<Option<String>, ConfigError> {
-    Ok(get(name)?.filter(|v| !v.trim().is_empty()))
-}
-
-fn parse<T>(
-    var: &'static str,
-    value: Option<String>,
-    f: impl FnOnce(&str) -> Result<T, String>,
-) -> Result<Option<T>, ConfigError> {
-    match value {
-        None => Ok(None),
-        Some(v) => f(v.trim())
-            .map(Some)
-            .map_err(|reason| ConfigError::new(var, &v, reason)),
-    }
-}
-
-/// A duration with its unit, as the CLI takes them: `25s`, `250ms`, `1m 30s`, `0s`.
-fn duration(v: &str) -> Result<Duration, String> {
-    // A bare `0` is unambiguous; any other number needs its unit.
-    if v == "0" {
-        return Ok(Duration::ZERO);
-    }
-    humantime::parse_duration(v)
-        .map_err(|_| "expected a duration with its unit, like 25s, 250ms or 1m 30s".to_owned())
-}
-
-fn boolean(v: &str) -> Result<bool, String> {
-    match v.to_ascii_lowercase().as_str() {
-        "true" | "1" | "yes" | "on" => Ok(true),
-        "false" | "0" | "no" | "off" => Ok(false),
-        _ => Err("expected true or false".to_owned()),
-    }
-}
-
-fn socket_addr(v: &str) -> Result<SocketAddr, String> {
-    if let Ok(port) = v.parse::<u16>() {
-        // Every address, IPv4 and IPv6 (dual-stack; the health server falls back to IPv4 alone
-        // on a host without IPv6).
-        return Ok(SocketAddr::from((Ipv6Addr::UNSPECIFIED, port)));
-    }
-    v.parse::<SocketAddr>()
-        .map_err(|_| "expected an address like 0.0.0.0:8080 (or a bare port like 8080)".to_owned())
-}
-
 #[cfg(test)]
 mod tests {
+    use std::time::Duration;
+
     use super::*;
     use crate::settings::Settings;
     use crate::DeadLetterMode;
@@ -565,7 +382,7 @@ mod tests {
         move |name| vars.iter().find(|(k, _)| k == name).map(|(_, v)| v.clone())
     }
 
-    fn cfg(vars: &[(&str, &str)]) -> Result<WorkerBuilder, ConfigError> {
+    fn cfg(vars: &[(&str, &str)]) -> Result<WorkerBuilder, EnvError> {
         Worker::builder(DEFAULT_AMQP_URL).env_from(lookup(vars))
     }
 
@@ -579,8 +396,8 @@ mod tests {
         let d = Worker::builder(DEFAULT_AMQP_URL).settings().clone();
         assert_eq!(format!("{s:?}"), format!("{d:?}"));
         assert_eq!(s.url(), DEFAULT_AMQP_URL);
-        let svc = ServiceConfig::from_lookup(lookup(&[])).unwrap();
-        assert_eq!(svc, ServiceConfig::default());
+        let svc = ServiceSettings::from_lookup(lookup(&[])).unwrap();
+        assert_eq!(svc, ServiceSettings::default());
         assert_eq!(svc.health_addr, None);
         assert_eq!(svc.log_format, LogFormat::Pretty);
         assert_eq!(svc.log_filter, "info");
@@ -630,7 +447,7 @@ mod tests {
         assert_eq!(s.policy().delay_for(0, None), Duration::from_millis(200));
         assert_eq!(s.policy().delay_for(30, None), Duration::from_secs(30));
         assert_eq!(s.dead_letter_mode(), DeadLetterMode::Annotate);
-        let svc = ServiceConfig::from_lookup(lookup(&vars)).unwrap();
+        let svc = ServiceSettings::from_lookup(lookup(&vars)).unwrap();
         assert_eq!(svc.health_addr, Some("0.0.0.0:8080".parse().unwrap()));
         assert_eq!(svc.log_format, LogFormat::Json);
         assert_eq!(svc.log_filter, "debug,lapin=warn");
@@ -667,7 +484,7 @@ mod tests {
             (HEALTH_ADDR, "localhost", "0.0.0.0:8080"),
             (LOG_FORMAT, "xml", "json"),
         ] {
-            let err = ServiceConfig::from_lookup(lookup(&[(var, value)])).expect_err(var);
+            let err = ServiceSettings::from_lookup(lookup(&[(var, value)])).expect_err(var);
             assert_eq!(err.var(), var);
             assert!(err.to_string().contains(expect), "{err}");
         }
@@ -716,13 +533,13 @@ mod tests {
             .clone();
         assert_eq!(s.prefetch(), Some(7));
         assert_eq!(s.handler_timeout(), None);
-        let svc = ServiceConfig::from_lookup(lookup(&[(HEALTH_ADDR, "  ")])).unwrap();
+        let svc = ServiceSettings::from_lookup(lookup(&[(HEALTH_ADDR, "  ")])).unwrap();
         assert_eq!(svc.health_addr, None);
     }
 
     #[test]
     fn bare_port_listens_on_every_interface() {
-        let svc = ServiceConfig::from_lookup(lookup(&[(HEALTH_ADDR, "9090")])).unwrap();
+        let svc = ServiceSettings::from_lookup(lookup(&[(HEALTH_ADDR, "9090")])).unwrap();
         assert_eq!(svc.health_addr, Some("[::]:9090".parse().unwrap()));
     }
 

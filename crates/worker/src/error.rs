@@ -48,8 +48,8 @@ pub enum WorkerError {
     Connect(#[from] ConnectError),
 }
 
-/// A builder setting that cannot work, reported by
-/// [`WorkerBuilder::build`](crate::WorkerBuilder::build) before any connection.
+/// A setting that cannot work: reported by [`WorkerBuilder::build`](crate::WorkerBuilder::build)
+/// before any connection, or an environment variable read into the settings.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum SettingError {
@@ -78,6 +78,17 @@ pub enum SettingError {
     /// A broker URL that does not parse (its password is never in the text).
     #[error(transparent)]
     Url(#[from] UrlError),
+    /// An environment variable with a value that cannot be used (from
+    /// [`WorkerBuilder::env`](crate::WorkerBuilder::env)), when a service turns it into a
+    /// [`WorkerError`] with `?`.
+    #[error(transparent)]
+    Env(#[from] crate::env::EnvError),
+}
+
+impl From<crate::env::EnvError> for WorkerError {
+    fn from(e: crate::env::EnvError) -> Self {
+        WorkerError::Config(SettingError::Env(e))
+    }
 }
 
 impl WorkerError {

@@ -54,6 +54,30 @@
 //!
 //! The worker never holds a delayed message: waiting happens in the broker's delay queues.
 //!
+//! # Every end of a delivery
+//!
+//! Each is tested on a scripted broker, without RabbitMQ, in `src/delivery/tests.rs` (whole
+//! deliveries: builder, decoding, handler, policy, settling) and `src/settle/tests.rs` (the
+//! settling rules):
+//!
+//! | end | what the broker sees |
+//! |---|---|
+//! | the handler succeeds | `basic.ack` (batched) |
+//! | a transient error | a retry copy through the delay levels, confirmed, then the original acked |
+//! | [`HandlerError::retry_after`] | the same, after exactly that delay |
+//! | a permanent error, retries or budget exhausted | `basic.reject(requeue = false)` ([`DeadLetterMode::Reject`]) or an annotated copy to `Q.dlx`, confirmed, then an ack ([`DeadLetterMode::Annotate`]) |
+//! | a body that does not decode, headers cut on receipt | dead-lettered at once (reason `undecodable`), the handler never called |
+//! | the handler panics | a transient error carrying the panic message |
+//! | the handler times out ([`WorkerBuilder::handler_timeout`]) | a transient error ([`TimedOut`]), unless the policy forwards it |
+//! | a failure of the forward kind ([`Forward`]) | a copy to the destination, confirmed, then an ack; dead-lettered (`forward_unconfigured`) without a destination |
+//! | a malformed `x-death` | a sanitized copy to the queue, confirmed, then an ack |
+//! | the shutdown grace period ends (hard stop) | nothing: the broker requeues it when the channel closes |
+//! | settling itself panics | `basic.reject(requeue = true)` after a pause |
+//! | a copy not confirmed (nacked, returned, timed out) | `basic.reject(requeue = true)` after a 1 s pause |
+//! | the publishing connection blocked (resource alarm) | the same, not counted toward the requeue limit |
+//! | the requeue limit reached | `basic.reject(requeue = false)` (reason `requeue_limit`) |
+//! | the delivery's channel closed | nothing: the broker redelivers it |
+//!
 //! A retry copy keeps every property of the original (`message_id`, `correlation_id`,
 //! `content_type`, `delivery_mode`, user headers...) except `expiration` (a per-message TTL would
 //! make the copy leave a delay level early) and a `user_id` other than the worker's own user
