@@ -5,7 +5,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
-use crate::backoff::from_nanos_saturating;
+use crate::nanos::from_nanos_saturating;
 
 /// How a delay is randomised so that many consumers failing together do not retry together.
 ///

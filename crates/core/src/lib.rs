@@ -138,6 +138,7 @@ mod clock;
 mod error;
 mod forward;
 mod jitter;
+mod nanos;
 mod policy;
 
 pub use backoff::{Backoff, Delays};

@@ -61,7 +61,7 @@ use crate::{Worker, WorkerBuilder};
 mod read;
 mod service;
 
-pub use read::EnvError;
+pub use crate::error::EnvError;
 use read::{boolean, duration, nonempty, parse, process_env, Source};
 pub use service::{LogFormat, ServiceSettings};
 

@@ -82,11 +82,46 @@ pub enum SettingError {
     /// [`WorkerBuilder::env`](crate::WorkerBuilder::env)), when a service turns it into a
     /// [`WorkerError`] with `?`.
     #[error(transparent)]
-    Env(#[from] crate::env::EnvError),
+    Env(#[from] EnvError),
 }
 
-impl From<crate::env::EnvError> for WorkerError {
-    fn from(e: crate::env::EnvError) -> Self {
+/// A variable with a value that cannot be used. Converts into
+/// [`SettingError::Env`](crate::SettingError::Env), the error of every other unusable setting.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("invalid {var}={value:?}: {reason}")]
+pub struct EnvError {
+    var: &'static str,
+    value: String,
+    reason: String,
+}
+
+impl EnvError {
+    pub(crate) fn new(var: &'static str, value: &str, reason: impl Into<String>) -> Self {
+        Self {
+            var,
+            value: value.to_owned(),
+            reason: reason.into(),
+        }
+    }
+
+    /// The variable's name.
+    pub fn var(&self) -> &'static str {
+        self.var
+    }
+
+    /// The value found (a URL's password is masked).
+    pub fn value(&self) -> &str {
+        &self.value
+    }
+
+    /// What was expected.
+    pub fn reason(&self) -> &str {
+        &self.reason
+    }
+}
+
+impl From<EnvError> for WorkerError {
+    fn from(e: EnvError) -> Self {
         WorkerError::Config(SettingError::Env(e))
     }
 }

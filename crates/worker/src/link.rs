@@ -15,26 +15,8 @@ use redeliver_amqp::{PublishError, Publisher};
 use tracing::debug;
 
 use crate::acks::AckSender;
-use crate::publishing::{Publishing, REOPEN_TIMEOUT};
+use crate::publishing::{OpenError, Publishing, REOPEN_TIMEOUT};
 use crate::settle::{Broker, CopyError, Link};
-
-/// Why the publisher could not be (re)opened.
-#[derive(Debug, thiserror::Error)]
-pub(crate) enum OpenError {
-    #[error("publishing connection: {0}")]
-    Connect(#[from] redeliver_amqp::ConnectError),
-    #[error(transparent)]
-    Publish(#[from] PublishError),
-}
-
-impl From<OpenError> for crate::WorkerError {
-    fn from(e: OpenError) -> Self {
-        match e {
-            OpenError::Connect(e) => crate::WorkerError::Connect(e),
-            OpenError::Publish(e) => crate::WorkerError::Publisher(e),
-        }
-    }
-}
 
 /// [`Link`] on lapin: one per session.
 pub(crate) struct LapinLink {

@@ -152,6 +152,24 @@ async fn watch_blocked(
     blocked.send_replace(false);
 }
 
+/// Why the publisher could not be (re)opened.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum OpenError {
+    #[error("publishing connection: {0}")]
+    Connect(#[from] redeliver_amqp::ConnectError),
+    #[error(transparent)]
+    Publish(#[from] redeliver_amqp::PublishError),
+}
+
+impl From<OpenError> for crate::error::WorkerError {
+    fn from(e: OpenError) -> Self {
+        match e {
+            OpenError::Connect(e) => crate::error::WorkerError::Connect(e),
+            OpenError::Publish(e) => crate::error::WorkerError::Publisher(e),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

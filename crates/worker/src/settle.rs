@@ -99,7 +99,7 @@ pub(crate) enum CopyError {
     Blocked(Duration),
     /// The publishing connection or its channel could not be (re)opened.
     #[error(transparent)]
-    Open(#[from] crate::link::OpenError),
+    Open(#[from] crate::publishing::OpenError),
     /// The publishing connection or its channels were still being reopened when the confirm
     /// timeout ran out (a node that accepts TCP and does not answer, say).
     #[error("the publishing connection could not be reopened within {0:?}")]

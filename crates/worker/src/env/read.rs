@@ -7,41 +7,7 @@ use std::time::Duration;
 use redeliver_amqp::url;
 
 use super::AMQP_URL;
-
-/// A variable with a value that cannot be used. Converts into
-/// [`SettingError::Env`](crate::SettingError::Env), the error of every other unusable setting.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("invalid {var}={value:?}: {reason}")]
-pub struct EnvError {
-    var: &'static str,
-    value: String,
-    reason: String,
-}
-
-impl EnvError {
-    pub(super) fn new(var: &'static str, value: &str, reason: impl Into<String>) -> Self {
-        Self {
-            var,
-            value: value.to_owned(),
-            reason: reason.into(),
-        }
-    }
-
-    /// The variable's name.
-    pub fn var(&self) -> &'static str {
-        self.var
-    }
-
-    /// The value found (a URL's password is masked).
-    pub fn value(&self) -> &str {
-        &self.value
-    }
-
-    /// What was expected.
-    pub fn reason(&self) -> &str {
-        &self.reason
-    }
-}
+use crate::error::EnvError;
 
 /// Where variables come from: the process environment or a caller's lookup.
 pub(super) type Source<'a> = dyn Fn(&'static str) -> Result<Option<String>, EnvError> + 'a;

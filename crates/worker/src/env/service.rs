@@ -3,8 +3,9 @@
 use std::net::SocketAddr;
 use std::str::FromStr;
 
-use super::read::{nonempty, parse, process_env, socket_addr, EnvError, Source};
+use super::read::{nonempty, parse, process_env, socket_addr, Source};
 use super::{DEFAULT_LOG_FILTER, HEALTH_ADDR, LOG_FORMAT, RUST_LOG};
+use crate::error::EnvError;
 
 /// Log output format, from `REDELIVER_LOG_FORMAT`.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
