@@ -118,12 +118,15 @@ impl fmt::Debug for Tx {
     }
 }
 
+/// A function computing a delivery's key ([`Inbox::key_with`]).
+type KeyFn = Arc<dyn Fn(&Context) -> Option<String> + Send + Sync>;
+
 /// Where the idempotency key of a delivery comes from.
 #[derive(Clone)]
 enum Key {
     MessageId,
     Header(String),
-    With(Arc<dyn Fn(&Context) -> Option<String> + Send + Sync>),
+    With(KeyFn),
 }
 
 impl fmt::Debug for Key {
@@ -321,8 +324,8 @@ impl Inbox {
         }
     }
 
-    /// Deletes this consumer's rows older than the retention, [`cleanup_batches`]
-    /// (Self::cleanup_batches) rows per statement with a pause between statements, until none
+    /// Deletes this consumer's rows older than the retention,
+    /// [`cleanup_batches`](Self::cleanup_batches) rows per statement with a pause between statements, until none
     /// is left.
     pub async fn cleanup_once(&self) -> Result<Cleaned, Error> {
         let table = self.schema.inbox_sql();

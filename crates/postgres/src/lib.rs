@@ -58,7 +58,12 @@
 //! let token = CancellationToken::new();
 //! inbox.spawn_cleanup(token.clone());
 //!
-//! let conn = redeliver_amqp::connect_url("amqp://127.0.0.1:5672/%2f").await?;
+//! let conn = redeliver_amqp::connect(
+//!     "amqp://127.0.0.1:5672/%2f",
+//!     Default::default(),
+//!     &Default::default(),
+//! )
+//! .await?;
 //! let publisher = redeliver_amqp::Publisher::new(&conn, Default::default()).await?;
 //! tokio::spawn(Relay::new(pool, Schema::default(), publisher).run(token.clone()));
 //!
