@@ -289,14 +289,58 @@ impl Inbox {
     /// [`WorkerBuilder::handler_impl`](redeliver_worker::WorkerBuilder::handler_impl).
     pub fn handler<M, H: TransactionalHandler<M>>(&self, handler: H) -> InboxHandler<H, M> {
         InboxHandler {
+            core: self.core(),
+            handler,
+            _message: PhantomData,
+        }
+    }
+
+    /// The closure form of [`handler`](Self::handler): `f` takes the message, the context and
+    /// the [`Tx`] by value, and returns the `Tx` to commit (`Ok(tx)`) or an error, which rolls
+    /// back (the transaction is dropped with the closure's future).
+    ///
+    /// ```no_run
+    /// use redeliver_postgres::{Inbox, Tx};
+    /// use redeliver_worker::{Context, HandlerError, Raw, Worker};
+    ///
+    /// # async fn demo(pool: sqlx::PgPool) -> Result<(), redeliver_worker::WorkerError> {
+    /// let inbox = Inbox::new(pool, "recorder");
+    /// let handler = inbox.handler_fn(|m: Raw, ctx: Context, mut tx: Tx| async move {
+    ///     sqlx::query("INSERT INTO seen (id, body) VALUES ($1, $2)")
+    ///         .bind(ctx.message_id())
+    ///         .bind(&m.0)
+    ///         .execute(&mut *tx)
+    ///         .await
+    ///         .map_err(HandlerError::transient)?;
+    ///     Ok(tx)
+    /// });
+    /// Worker::builder("amqp://127.0.0.1:5672/%2f")
+    ///     .queue("records")
+    ///     .handler_impl(handler)
+    ///     .run_until_signal()
+    ///     .await
+    /// # }
+    /// ```
+    pub fn handler_fn<M, F, Fut>(&self, f: F) -> InboxFnHandler<F, M>
+    where
+        F: Fn(M, Context, Tx) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = Result<Tx, HandlerError>> + Send,
+    {
+        InboxFnHandler {
+            core: self.core(),
+            f,
+            _message: PhantomData,
+        }
+    }
+
+    fn core(&self) -> Core {
+        Core {
             insert: format!(
                 "INSERT INTO {} (consumer, message_id) VALUES ($1, $2) ON CONFLICT DO NOTHING",
                 self.schema.inbox_sql()
             ),
             outbox: Arc::new(Outbox::new(self.schema.clone())),
             inbox: self.clone(),
-            handler,
-            _message: PhantomData,
         }
     }
 
@@ -397,12 +441,17 @@ fn header_key(value: Option<&AMQPValue>) -> Option<String> {
     (!key.is_empty()).then_some(key)
 }
 
-/// A [`TransactionalHandler`] behind an [`Inbox`]: a worker [`Handler`]. Made by
-/// [`Inbox::handler`].
-pub struct InboxHandler<H, M> {
+/// What both handler wrappers share: the inbox and its statements.
+struct Core {
     inbox: Inbox,
     insert: String,
     outbox: Arc<Outbox>,
+}
+
+/// A [`TransactionalHandler`] behind an [`Inbox`]: a worker [`Handler`]. Made by
+/// [`Inbox::handler`].
+pub struct InboxHandler<H, M> {
+    core: Core,
     handler: H,
     _message: PhantomData<fn() -> M>,
 }
@@ -410,18 +459,32 @@ pub struct InboxHandler<H, M> {
 impl<H, M> fmt::Debug for InboxHandler<H, M> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("InboxHandler")
-            .field("inbox", &self.inbox)
+            .field("inbox", &self.core.inbox)
             .finish_non_exhaustive()
     }
 }
 
-impl<H, M> Handler<M> for InboxHandler<H, M>
-where
-    H: TransactionalHandler<M>,
-    M: Send + 'static,
-{
-    async fn handle(&self, message: M, ctx: Context) -> Result<(), HandlerError> {
-        let key = self.inbox.key(&ctx)?;
+/// A closure behind an [`Inbox`], taking the [`Tx`] by value: a worker [`Handler`]. Made by
+/// [`Inbox::handler_fn`].
+pub struct InboxFnHandler<F, M> {
+    core: Core,
+    f: F,
+    _message: PhantomData<fn() -> M>,
+}
+
+impl<F, M> fmt::Debug for InboxFnHandler<F, M> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("InboxFnHandler")
+            .field("inbox", &self.core.inbox)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Core {
+    /// Steps 1 and 2: the delivery's transaction with its inbox row inserted, or `None` for a
+    /// duplicate (already rolled back, recorded and counted).
+    async fn begin(&self, ctx: &Context) -> Result<Option<Tx>, HandlerError> {
+        let key = self.inbox.key(ctx)?;
         if let Err(e) = self.inbox.prepare().await {
             tracing::error!(error = %e, "the inbox's tables are not ready");
             return Err(HandlerError::transient(e));
@@ -432,11 +495,10 @@ where
             .begin()
             .await
             .map_err(|e| HandlerError::transient(Error::Database(e)))?;
-        let insert = sqlx::query(&self.insert)
+        let inserted = sqlx::query(&self.insert)
             .bind(&*self.inbox.consumer)
             .bind(&key)
-            .execute(&mut *tx);
-        let inserted = insert
+            .execute(&mut *tx)
             .await
             .map_err(|e| HandlerError::transient(Error::Database(e)))?
             .rows_affected();
@@ -448,24 +510,60 @@ where
             metrics::counter!(INBOX_DUPLICATES_TOTAL, "consumer" => self.inbox.consumer.to_string())
                 .increment(1);
             tracing::debug!(consumer = %self.inbox.consumer, key = %key, "duplicate: already processed");
-            return Ok(());
+            return Ok(None);
         }
-        let mut tx = Tx {
+        Ok(Some(Tx {
             tx,
             outbox: Arc::clone(&self.outbox),
-        };
-        match self.handler.handle(message, ctx, &mut tx).await {
-            Ok(()) => tx
-                .tx
-                .commit()
-                .await
-                .map_err(|e| HandlerError::transient(Error::Database(e))),
-            Err(error) => {
-                if let Err(e) = tx.tx.rollback().await {
-                    tracing::warn!(error = %e, "rollback after a handler error failed (the connection is dropped, which rolls back)");
-                }
-                Err(error)
+        }))
+    }
+}
+
+/// Step 3 after the handler: commit on `Ok`, roll back on an error and return it unchanged.
+async fn finish(tx: Tx, result: Result<(), HandlerError>) -> Result<(), HandlerError> {
+    match result {
+        Ok(()) => tx
+            .tx
+            .commit()
+            .await
+            .map_err(|e| HandlerError::transient(Error::Database(e))),
+        Err(error) => {
+            if let Err(e) = tx.tx.rollback().await {
+                tracing::warn!(error = %e, "rollback after a handler error failed (the connection is dropped, which rolls back)");
             }
+            Err(error)
+        }
+    }
+}
+
+impl<H, M> Handler<M> for InboxHandler<H, M>
+where
+    H: TransactionalHandler<M>,
+    M: Send + 'static,
+{
+    async fn handle(&self, message: M, ctx: Context) -> Result<(), HandlerError> {
+        let Some(mut tx) = self.core.begin(&ctx).await? else {
+            return Ok(());
+        };
+        let result = self.handler.handle(message, ctx, &mut tx).await;
+        finish(tx, result).await
+    }
+}
+
+impl<F, Fut, M> Handler<M> for InboxFnHandler<F, M>
+where
+    F: Fn(M, Context, Tx) -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = Result<Tx, HandlerError>> + Send,
+    M: Send + 'static,
+{
+    async fn handle(&self, message: M, ctx: Context) -> Result<(), HandlerError> {
+        let Some(tx) = self.core.begin(&ctx).await? else {
+            return Ok(());
+        };
+        match (self.f)(message, ctx, tx).await {
+            Ok(tx) => finish(tx, Ok(())).await,
+            // The closure dropped the transaction: sqlx rolls it back.
+            Err(error) => Err(error),
         }
     }
 }

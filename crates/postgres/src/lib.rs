@@ -85,7 +85,7 @@ mod schema;
 
 pub use error::{Error, IdentifierError};
 pub use inbox::{
-    Cleaned, Inbox, InboxHandler, TransactionalHandler, Tx, INBOX_DUPLICATES_TOTAL,
+    Cleaned, Inbox, InboxFnHandler, InboxHandler, TransactionalHandler, Tx, INBOX_DUPLICATES_TOTAL,
     NO_IDEMPOTENCY_KEY, NO_MESSAGE_ID,
 };
 pub use outbox::{

@@ -305,10 +305,11 @@ impl Relay {
     }
 
     /// Prepares the schema ([`Schema::prepare`]), then relays until `token` is cancelled.
+    /// The `LISTEN` holds one connection of the pool for as long as the relay runs.
     ///
-    /// Returns an error when the schema cannot be prepared, or when the publisher became
-    /// unusable ([`Error::Publisher`]); database errors in a round are logged and the round is
-    /// tried again at the next poll.
+    /// Returns an error when the schema cannot be prepared, when the pool was closed, or when
+    /// the publisher became unusable ([`Error::Publisher`]); database errors in a round are
+    /// logged and the round is tried again at the next poll.
     pub async fn run(self, token: CancellationToken) -> Result<(), Error> {
         self.schema.prepare(&self.pool).await?;
         let channel = self.schema.notify_channel();
@@ -320,6 +321,9 @@ impl Relay {
             }
         };
         loop {
+            if self.pool.is_closed() {
+                return Err(Error::Database(sqlx::Error::PoolClosed));
+            }
             // Drain: a full round suggests more rows wait.
             loop {
                 match self.relay_once().await {
@@ -340,7 +344,8 @@ impl Relay {
             let wait = async {
                 match listener.as_mut() {
                     Some(l) => match l.recv().await {
-                        Ok(_) => {}
+                        // One round serves every commit notified so far.
+                        Ok(_) => while l.next_buffered().is_some() {},
                         Err(e) => {
                             // sqlx reconnects on the next recv; poll meanwhile.
                             tracing::warn!(error = %e, "outbox notification listener failed");

@@ -204,6 +204,53 @@ async fn a_handler_error_rolls_everything_back_and_is_returned() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_closure_form_commits_the_returned_tx_and_rolls_back_on_error() {
+    let db = TestDb::with_effects().await;
+    let table = db.effects();
+    let calls = Arc::new(AtomicUsize::new(0));
+    let h = Inbox::new(db.pool.clone(), consumer())
+        .schema(db.schema.clone())
+        .handler_fn({
+            let calls = Arc::clone(&calls);
+            move |m: Raw, ctx: Context, mut tx: Tx| {
+                let (table, calls) = (table.clone(), Arc::clone(&calls));
+                async move {
+                    calls.fetch_add(1, Ordering::SeqCst);
+                    sqlx::query(&format!("INSERT INTO {table} (key) VALUES ($1)"))
+                        .bind(ctx.message_id())
+                        .execute(&mut *tx)
+                        .await
+                        .map_err(HandlerError::transient)?;
+                    if &*m == b"fail" {
+                        return Err(HandlerError::permanent("refused"));
+                    }
+                    Ok(tx)
+                }
+            }
+        });
+    let e = h
+        .handle(Raw(b"fail".to_vec()), context(Some("f-1"), &[]))
+        .await
+        .expect_err("the closure's error");
+    assert_eq!(e.kind(), ErrorKind::Permanent);
+    assert_eq!(e.message(), "refused");
+    assert_eq!(db.count("effects").await, 0);
+    assert_eq!(db.count("inbox").await, 0);
+    for _ in 0..2 {
+        h.handle(Raw(b"ok".to_vec()), context(Some("f-2"), &[]))
+            .await
+            .expect("handled");
+    }
+    assert_eq!(
+        calls.load(Ordering::SeqCst),
+        2,
+        "one failed call, one for f-2"
+    );
+    assert_eq!(db.count("effects").await, 1);
+    assert_eq!(db.count("inbox").await, 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_message_without_id_is_dead_lettered() {
     let db = TestDb::with_effects().await;
     let effect = Effect::new(&db);

@@ -36,14 +36,55 @@ pub async fn pool(max: u32) -> PgPool {
     let options: PgConnectOptions = url
         .parse()
         .unwrap_or_else(|e| panic!("DATABASE_URL is not a PostgreSQL URL: {e}"));
-    match PgPoolOptions::new()
+    // One plain connection first: its error says why (refused, no such database), where a
+    // pool's would only say it timed out.
+    if let Err(first) = PgConnection::connect_with(&options).await {
+        // Bring up the machine's cluster once, as the broker tests bring up RabbitMQ.
+        static STARTED: tokio::sync::OnceCell<()> = tokio::sync::OnceCell::const_new();
+        STARTED.get_or_init(|| start_local(&options)).await;
+        if let Err(e) = PgConnection::connect_with(&options).await {
+            panic!(
+                "cannot connect to PostgreSQL at {url}: {e} (first try: {first})\n{START_POSTGRES}"
+            );
+        }
+    }
+    PgPoolOptions::new()
         .max_connections(max)
-        .acquire_timeout(Duration::from_secs(10))
+        .acquire_timeout(Duration::from_secs(30))
         .connect_with(options)
         .await
-    {
-        Ok(p) => p,
-        Err(e) => panic!("cannot connect to PostgreSQL at {url}: {e}\n{START_POSTGRES}"),
+        .unwrap_or_else(|e| panic!("cannot connect to PostgreSQL at {url}: {e}\n{START_POSTGRES}"))
+}
+
+/// When the test database is on this machine and PostgreSQL is installed here: starts its
+/// cluster(s) and creates the database if missing. Best effort: the caller's retry reports.
+async fn start_local(options: &PgConnectOptions) {
+    if !matches!(options.get_host(), "127.0.0.1" | "localhost" | "::1") {
+        return;
+    }
+    if let Ok(versions) = std::fs::read_dir("/etc/postgresql") {
+        for version in versions.flatten() {
+            let _ = std::process::Command::new("pg_ctlcluster")
+                .args(["--skip-systemctl-redirect"])
+                .arg(version.file_name())
+                .args(["main", "start"])
+                .status();
+        }
+    }
+    let Some(database) = options.get_database().map(str::to_owned) else {
+        return;
+    };
+    for _ in 0..25 {
+        if let Ok(mut conn) =
+            PgConnection::connect_with(&options.clone().database("postgres")).await
+        {
+            let _ = sqlx::query(&format!("CREATE DATABASE \"{database}\""))
+                .execute(&mut conn)
+                .await;
+            let _ = conn.close().await;
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
     }
 }
 
