@@ -53,6 +53,10 @@ pub enum Error {
         /// The missing column.
         column: &'static str,
     },
+    /// An outbox message that could not be published as it is: a name or property longer
+    /// than AMQP's 255-byte short strings. Refused when stored, never half-sent later.
+    #[error("invalid outbox message: {0}")]
+    InvalidMessage(String),
     /// The headers of an outbox row are not a JSON object of strings (the row was not written
     /// by this crate).
     #[error("outbox row {id}: headers are not a JSON object of strings: {source}")]

@@ -97,6 +97,33 @@ impl OutboxMessage {
         self
     }
 
+    /// Checks what AMQP carries as short strings (at most 255 bytes): exchange, routing key,
+    /// message id, content type, header names.
+    fn check(&self) -> Result<(), Error> {
+        const MAX: usize = 255;
+        let fields = [
+            ("exchange", self.exchange.as_str()),
+            ("routing key", self.routing_key.as_str()),
+            ("message id", self.message_id.as_str()),
+            (
+                "content type",
+                self.content_type.as_deref().unwrap_or_default(),
+            ),
+        ];
+        let headers = self.headers.keys().map(|k| ("header name", k.as_str()));
+        match fields
+            .into_iter()
+            .chain(headers)
+            .find(|(_, v)| v.len() > MAX)
+        {
+            Some((what, v)) => Err(Error::InvalidMessage(format!(
+                "the {what} has {} bytes, AMQP allows at most {MAX}",
+                v.len()
+            ))),
+            None => Ok(()),
+        }
+    }
+
     /// The AMQP properties of every publish of this message: message id, content type (when
     /// set), headers, persistent delivery mode.
     fn properties(&self) -> BasicProperties {
@@ -174,12 +201,14 @@ impl Outbox {
 
     /// Inserts `message` and notifies the relay's channel, both on `conn` (a transaction
     /// derefs to one: pass `&mut tx` or `&mut *tx`). PostgreSQL delivers the notification only
-    /// when the transaction commits.
+    /// when the transaction commits. A message AMQP cannot carry (a name or property over 255
+    /// bytes) is refused here, [`Error::InvalidMessage`].
     pub async fn store(
         &self,
         conn: &mut PgConnection,
         message: &OutboxMessage,
     ) -> Result<(), Error> {
+        message.check()?;
         let headers = if message.headers.is_empty() {
             None
         } else {

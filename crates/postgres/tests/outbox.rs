@@ -251,3 +251,25 @@ async fn two_relays_publish_every_row() {
     let got: BTreeSet<String> = got.iter().map(|g| g.message_id()).collect();
     assert_eq!(got, ids);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_message_amqp_cannot_carry_is_refused_when_stored() {
+    let db = TestDb::new().await;
+    db.schema.migrate(&db.pool).await.unwrap();
+    let outbox = Outbox::new(db.schema.clone());
+    let mut tx = db.pool.begin().await.unwrap();
+    for bad in [
+        OutboxMessage::new("", "q".repeat(256), b"x".to_vec()),
+        OutboxMessage::new("", "q", b"x".to_vec()).with_header("h".repeat(256), "v"),
+        OutboxMessage::new("", "q", b"x".to_vec()).with_message_id("m".repeat(256)),
+    ] {
+        let e = outbox.store(&mut tx, &bad).await.expect_err("refused");
+        assert!(
+            matches!(e, redeliver_postgres::Error::InvalidMessage(_)),
+            "{e}"
+        );
+        assert!(e.to_string().contains("at most 255"), "{e}");
+    }
+    tx.commit().await.unwrap();
+    assert_eq!(db.count("outbox").await, 0);
+}
