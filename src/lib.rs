@@ -98,8 +98,7 @@ pub mod worker {
 #[cfg(feature = "postgres")]
 pub mod postgres {
     //! The whole `redeliver-postgres` crate (feature `postgres`): the transactional inbox and
-    //! outbox. See [`Inbox`](redeliver_postgres::Inbox), [`Outbox`](redeliver_postgres::Outbox)
-    //! and [`Relay`](redeliver_postgres::Relay).
+    //! outbox. See [`Inbox`], [`Outbox`] and [`Relay`].
     #[doc(no_inline)]
     pub use redeliver_postgres::*;
 }
