@@ -35,6 +35,7 @@
 //! | `tls` | on | `amqps://` through rustls (ring provider); without it such a URL is refused before connecting |
 //! | `health` | on | the health server and Prometheus exporter (`worker::health`; axum, metrics-exporter-prometheus) |
 //! | `otel` | off | W3C trace context in message headers; each delivery span continues the message's trace (`amqp::trace_context`) |
+//! | `postgres` | off | the `postgres` module: the PostgreSQL inbox (exactly-once database effects per message id) and outbox (publish after commit), on sqlx |
 //!
 //! A worker, with root paths only:
 //!
@@ -92,6 +93,14 @@ pub mod worker {
     //! [root](crate): `Worker`, `WorkerBuilder`, `Context`, `Json`...
     #[doc(no_inline)]
     pub use redeliver_worker::*;
+}
+
+#[cfg(feature = "postgres")]
+pub mod postgres {
+    //! The whole `redeliver-postgres` crate (feature `postgres`): the transactional inbox and
+    //! outbox. See [`Inbox`], [`Outbox`] and [`Relay`].
+    #[doc(no_inline)]
+    pub use redeliver_postgres::*;
 }
 
 // A crate of its own, documented on its own: not inlined.

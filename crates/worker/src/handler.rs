@@ -251,6 +251,26 @@ impl Context {
         }
     }
 
+    /// A context for `delivery` outside a worker, as the worker would build it for a delivery
+    /// from `queue` (retry headers read the same way): for testing a handler, or a wrapper of
+    /// handlers, without a broker. Its shutdown token is never cancelled.
+    ///
+    /// ```
+    /// use redeliver_worker::Context;
+    /// use redeliver_worker::lapin::message::Delivery;
+    /// use redeliver_worker::lapin::BasicProperties;
+    ///
+    /// let mut delivery = Delivery::mock(1, "".into(), "orders".into(), false, b"{}".to_vec());
+    /// delivery.properties = BasicProperties::default().with_message_id("m-1".into());
+    /// let ctx = Context::detached("orders", delivery);
+    /// assert_eq!(ctx.message_id(), Some("m-1"));
+    /// assert_eq!(ctx.attempt(), 0);
+    /// ```
+    pub fn detached(queue: &str, delivery: Delivery) -> Self {
+        let retry = RetryState::read(delivery.properties.headers().as_ref());
+        Self::new(queue.into(), delivery, retry, Arc::default())
+    }
+
     /// The delivery itself, for the worker's own settling.
     pub(crate) fn delivery(&self) -> &Delivery {
         &self.inner.delivery

@@ -1,0 +1,94 @@
+//! PostgreSQL for redeliver consumers: an **inbox** that makes a handler's database effects
+//! happen once per message, and an **outbox** that publishes messages only after the
+//! transaction that decided them commits.
+//!
+//! The worker delivers at least once: a message may be handled twice (a worker killed after
+//! its handler succeeded but before the ack, a retry copy confirmed twice). The [`Inbox`]
+//! records each processed (consumer, message id) in the same transaction as the handler's
+//! writes, and skips a message it has seen. The [`Outbox`] stores outgoing messages in that
+//! transaction (or any other), and a [`Relay`] publishes them through the confirmed
+//! [`Publisher`](redeliver_amqp::Publisher) once committed.
+//!
+//! # Guarantees
+//!
+//! - **Effects written through the handler's transaction ([`Tx`]) happen exactly once per
+//!   (consumer, message id)**, as long as the inbox row is kept ([`Inbox`]'s retention):
+//!   the inbox row and the effects commit together or not at all, and a second delivery, even
+//!   a concurrent one, finds the row and is acked without running the handler.
+//! - **Outbox messages are published after the commit, at least once, and never without it.**
+//!   A rolled-back transaction stores nothing and wakes no relay. A relay that dies between
+//!   the broker's confirm and its own commit publishes the message again, with the same
+//!   `message_id`, which a consumer behind an inbox then skips.
+//! - **Effects outside the database** (an HTTP call, an email) stay at least once: the
+//!   handler may run again after a rollback or a failed commit. Give such calls an
+//!   idempotency key (the message id).
+//!
+//! # Schema
+//!
+//! Tables live in a [`Schema`] (default `redeliver.inbox` and `redeliver.outbox`), created by
+//! the crate's versioned migrations ([`Schema::migrate`]), safe to run from several workers at
+//! once; or managed by the team ([`Schema::without_migrations`]), then only checked.
+//!
+//! Queries are built at run time (sqlx without its `macros` feature): building needs no
+//! database. TLS to the database is the application's: enable one of sqlx's `tls-*`
+//! features and pass the pool.
+//!
+//! ```no_run
+//! use redeliver_postgres::{Inbox, Relay, Schema, TransactionalHandler, Tx};
+//! use redeliver_worker::{CancellationToken, Context, HandlerError, Raw, Worker};
+//!
+//! struct Record;
+//!
+//! impl TransactionalHandler<Raw> for Record {
+//!     async fn handle(&self, m: Raw, ctx: Context, tx: &mut Tx) -> Result<(), HandlerError> {
+//!         sqlx::query("INSERT INTO seen (id, body) VALUES ($1, $2)")
+//!             .bind(ctx.message_id())
+//!             .bind(&m.0)
+//!             .execute(&mut **tx)
+//!             .await
+//!             .map_err(HandlerError::transient)?;
+//!         Ok(())
+//!     }
+//! }
+//!
+//! # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
+//! let pool = sqlx::PgPool::connect("postgres://app@127.0.0.1/app").await?;
+//! let inbox = Inbox::new(pool.clone(), "recorder");
+//! inbox.prepare().await?;
+//! let token = CancellationToken::new();
+//! inbox.spawn_cleanup(token.clone());
+//!
+//! let conn = redeliver_amqp::connect(
+//!     "amqp://127.0.0.1:5672/%2f",
+//!     Default::default(),
+//!     &Default::default(),
+//! )
+//! .await?;
+//! let publisher = redeliver_amqp::Publisher::new(&conn, Default::default()).await?;
+//! tokio::spawn(Relay::new(pool, Schema::default(), publisher).run(token.clone()));
+//!
+//! Worker::builder("amqp://127.0.0.1:5672/%2f")
+//!     .queue("records")
+//!     .handler_impl(inbox.handler(Record))
+//!     .run(token)
+//!     .await?;
+//! # Ok(()) }
+//! ```
+
+#![warn(missing_docs, unreachable_pub, missing_debug_implementations)]
+#![forbid(unsafe_code)]
+
+mod error;
+mod inbox;
+mod outbox;
+mod schema;
+
+pub use error::{Error, IdentifierError};
+pub use inbox::{
+    Cleaned, Inbox, InboxFnHandler, InboxHandler, TransactionalHandler, Tx, INBOX_DUPLICATES_TOTAL,
+    NO_IDEMPOTENCY_KEY, NO_MESSAGE_ID,
+};
+pub use outbox::{
+    pending, Outbox, OutboxMessage, Pending, Relay, OUTBOX_OLDEST_AGE_SECONDS, OUTBOX_PENDING,
+};
+pub use schema::Schema;

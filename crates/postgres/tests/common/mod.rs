@@ -1,0 +1,270 @@
+//! Shared helpers of the PostgreSQL tests: the database, a unique schema per test (dropped at
+//! the end, also when the test fails), a counting metrics recorder, contexts for direct calls.
+#![allow(dead_code)] // each test binary uses some of these
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::Duration;
+
+use redeliver_postgres::Schema;
+use redeliver_worker::lapin::message::Delivery;
+use redeliver_worker::lapin::types::{AMQPValue, FieldTable, LongString};
+use redeliver_worker::lapin::BasicProperties;
+use redeliver_worker::Context;
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use sqlx::{Connection, PgConnection, PgPool};
+
+pub const DEFAULT_DATABASE_URL: &str = "postgres://postgres@127.0.0.1:5432/test";
+
+pub const START_POSTGRES: &str = "start PostgreSQL with \
+    `pg_ctlcluster --skip-systemctl-redirect $(ls /etc/postgresql) main start` \
+    (trust auth, database `test`: `createdb -h 127.0.0.1 -U postgres test`), \
+    or point DATABASE_URL at one";
+
+pub fn database_url() -> String {
+    std::env::var("DATABASE_URL").unwrap_or_else(|_| DEFAULT_DATABASE_URL.to_owned())
+}
+
+/// A pool on the test database.
+///
+/// # Panics
+///
+/// When PostgreSQL cannot be reached: the test fails, saying how to start it.
+pub async fn pool(max: u32) -> PgPool {
+    let url = database_url();
+    let options: PgConnectOptions = url
+        .parse()
+        .unwrap_or_else(|e| panic!("DATABASE_URL is not a PostgreSQL URL: {e}"));
+    // One plain connection first: its error says why (refused, no such database), where a
+    // pool's would only say it timed out.
+    if let Err(first) = PgConnection::connect_with(&options).await {
+        // Bring up the machine's cluster once, as the broker tests bring up RabbitMQ.
+        static STARTED: tokio::sync::OnceCell<()> = tokio::sync::OnceCell::const_new();
+        STARTED.get_or_init(|| start_local(&options)).await;
+        if let Err(e) = PgConnection::connect_with(&options).await {
+            panic!(
+                "cannot connect to PostgreSQL at {url}: {e} (first try: {first})\n{START_POSTGRES}"
+            );
+        }
+    }
+    PgPoolOptions::new()
+        .max_connections(max)
+        .acquire_timeout(Duration::from_secs(30))
+        .connect_with(options)
+        .await
+        .unwrap_or_else(|e| panic!("cannot connect to PostgreSQL at {url}: {e}\n{START_POSTGRES}"))
+}
+
+/// When the test database is on this machine and PostgreSQL is installed here: starts its
+/// cluster(s) and creates the database if missing. Best effort: the caller's retry reports.
+async fn start_local(options: &PgConnectOptions) {
+    if !matches!(options.get_host(), "127.0.0.1" | "localhost" | "::1") {
+        return;
+    }
+    if let Ok(versions) = std::fs::read_dir("/etc/postgresql") {
+        for version in versions.flatten() {
+            let _ = std::process::Command::new("pg_ctlcluster")
+                .args(["--skip-systemctl-redirect"])
+                .arg(version.file_name())
+                .args(["main", "start"])
+                .status();
+        }
+    }
+    let Some(database) = options.get_database().map(str::to_owned) else {
+        return;
+    };
+    for _ in 0..25 {
+        if let Ok(mut conn) =
+            PgConnection::connect_with(&options.clone().database("postgres")).await
+        {
+            let _ = sqlx::query(&format!("CREATE DATABASE \"{database}\""))
+                .execute(&mut conn)
+                .await;
+            let _ = conn.close().await;
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// A schema of its own (`rdpg_<hex>`), dropped with everything in it when this is dropped.
+pub struct TestDb {
+    pub pool: PgPool,
+    pub name: String,
+    pub schema: Schema,
+}
+
+impl TestDb {
+    pub async fn new() -> Self {
+        Self::with_pool_size(10).await
+    }
+
+    pub async fn with_pool_size(max: u32) -> Self {
+        let pool = pool(max).await;
+        let name = format!("rdpg_{}", redeliver_testkit::unique_id(12));
+        let schema = Schema::named(&name).expect("valid schema name");
+        Self { pool, name, schema }
+    }
+
+    /// Migrates the schema and creates `effects (key text, note text)`, no unique constraint,
+    /// so a duplicate effect shows as a second row.
+    pub async fn with_effects() -> Self {
+        let db = Self::new().await;
+        db.schema.migrate(&db.pool).await.expect("migrate");
+        sqlx::query(&format!(
+            "CREATE TABLE {}.effects (key text NOT NULL, note text)",
+            db.name
+        ))
+        .execute(&db.pool)
+        .await
+        .expect("create effects");
+        db
+    }
+
+    pub async fn count(&self, table: &str) -> i64 {
+        sqlx::query_scalar(&format!("SELECT count(*) FROM {}.{table}", self.name))
+            .fetch_one(&self.pool)
+            .await
+            .unwrap_or_else(|e| panic!("count {table}: {e}"))
+    }
+
+    pub fn effects(&self) -> String {
+        format!("{}.effects", self.name)
+    }
+}
+
+impl Drop for TestDb {
+    fn drop(&mut self) {
+        // A connection of its own on a thread of its own: this also runs while a failed test
+        // unwinds, inside or outside a runtime.
+        let name = self.name.clone();
+        let dropped = std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .expect("runtime");
+            rt.block_on(async move {
+                let mut conn = PgConnection::connect(&database_url()).await?;
+                sqlx::query(&format!("DROP SCHEMA IF EXISTS \"{name}\" CASCADE"))
+                    .execute(&mut conn)
+                    .await?;
+                conn.close().await
+            })
+        })
+        .join();
+        if !matches!(dropped, Ok(Ok(()))) {
+            eprintln!("could not drop schema {}: {dropped:?}", self.name);
+        }
+    }
+}
+
+/// A context for a direct call of a handler, as the worker would give it.
+pub fn context(message_id: Option<&str>, headers: &[(&str, &str)]) -> Context {
+    let mut props = BasicProperties::default();
+    if let Some(id) = message_id {
+        props = props.with_message_id(id.into());
+    }
+    if !headers.is_empty() {
+        let mut table = FieldTable::default();
+        for (k, v) in headers {
+            table.insert((*k).into(), AMQPValue::LongString(LongString::from(*v)));
+        }
+        props = props.with_headers(table);
+    }
+    let mut delivery = Delivery::mock(1, "".into(), "q".into(), false, b"body".to_vec());
+    delivery.properties = props;
+    Context::detached("q", delivery)
+}
+
+/// Counters recorded by the process-wide test recorder, by name and labels.
+#[derive(Default)]
+pub struct Counters(Mutex<HashMap<String, Arc<AtomicU64>>>);
+
+struct Counter(Arc<AtomicU64>);
+
+impl metrics::CounterFn for Counter {
+    fn increment(&self, value: u64) {
+        self.0.fetch_add(value, Ordering::Relaxed);
+    }
+    fn absolute(&self, value: u64) {
+        self.0.store(value, Ordering::Relaxed);
+    }
+}
+
+struct Recorder(&'static Counters);
+
+fn key_name(key: &metrics::Key) -> String {
+    let mut s = key.name().to_owned();
+    for l in key.labels() {
+        s.push_str(&format!(",{}={}", l.key(), l.value()));
+    }
+    s
+}
+
+impl metrics::Recorder for Recorder {
+    fn describe_counter(
+        &self,
+        _: metrics::KeyName,
+        _: Option<metrics::Unit>,
+        _: metrics::SharedString,
+    ) {
+    }
+    fn describe_gauge(
+        &self,
+        _: metrics::KeyName,
+        _: Option<metrics::Unit>,
+        _: metrics::SharedString,
+    ) {
+    }
+    fn describe_histogram(
+        &self,
+        _: metrics::KeyName,
+        _: Option<metrics::Unit>,
+        _: metrics::SharedString,
+    ) {
+    }
+    fn register_counter(&self, key: &metrics::Key, _: &metrics::Metadata<'_>) -> metrics::Counter {
+        let cell = Arc::clone(
+            self.0
+                 .0
+                .lock()
+                .expect("lock")
+                .entry(key_name(key))
+                .or_default(),
+        );
+        metrics::Counter::from_arc(Arc::new(Counter(cell)))
+    }
+    fn register_gauge(&self, _: &metrics::Key, _: &metrics::Metadata<'_>) -> metrics::Gauge {
+        metrics::Gauge::noop()
+    }
+    fn register_histogram(
+        &self,
+        _: &metrics::Key,
+        _: &metrics::Metadata<'_>,
+    ) -> metrics::Histogram {
+        metrics::Histogram::noop()
+    }
+}
+
+/// The process-wide counting recorder (installed on first use).
+pub fn counters() -> &'static Counters {
+    static COUNTERS: OnceLock<&'static Counters> = OnceLock::new();
+    COUNTERS.get_or_init(|| {
+        let c: &'static Counters = Box::leak(Box::default());
+        metrics::set_global_recorder(Recorder(c)).expect("one recorder per test binary");
+        c
+    })
+}
+
+impl Counters {
+    /// Counter `name` with labels `labels` ("k=v,k=v"), 0 when never incremented.
+    pub fn get(&self, name: &str, labels: &str) -> u64 {
+        let key = format!("{name},{labels}");
+        self.0
+            .lock()
+            .expect("lock")
+            .get(&key)
+            .map_or(0, |c| c.load(Ordering::Relaxed))
+    }
+}

@@ -1,0 +1,275 @@
+//! The outbox and its relay on a real PostgreSQL and RabbitMQ.
+
+mod common;
+
+use std::collections::BTreeSet;
+use std::time::{Duration, Instant};
+
+use common::TestDb;
+use redeliver_postgres::{pending, Outbox, OutboxMessage, Relay};
+use redeliver_testkit::{drain_queue, Cleanup};
+use redeliver_worker::lapin::options::QueueDeclareOptions;
+use redeliver_worker::lapin::types::FieldTable;
+use redeliver_worker::lapin::Connection;
+use redeliver_worker::{CancellationToken, DelayConfig};
+use sqlx::postgres::PgListener;
+
+/// A broker connection, a publisher and a unique queue (deleted when the guard drops).
+async fn broker() -> (Cleanup, Connection, redeliver_amqp::Publisher, String) {
+    let prefix = redeliver_testkit::unique_prefix("rdpg-", 8, "-");
+    let cleanup = Cleanup(prefix.clone());
+    let conn = redeliver_testkit::connect().await;
+    let queue = format!("{prefix}out");
+    let ch = conn.create_channel().await.unwrap();
+    ch.queue_declare(
+        queue.as_str().into(),
+        QueueDeclareOptions {
+            durable: true,
+            ..Default::default()
+        },
+        FieldTable::default(),
+    )
+    .await
+    .unwrap();
+    let _ = ch.close(200, "ok".into()).await;
+    let publisher = redeliver_amqp::Publisher::new(&conn, DelayConfig::default())
+        .await
+        .unwrap();
+    (cleanup, conn, publisher, queue)
+}
+
+async fn wait_for(conn: &Connection, queue: &str, n: u32) {
+    redeliver_testkit::wait_count(conn, queue, n, Duration::from_secs(30)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rolled_back_transaction_stores_and_notifies_nothing() {
+    let db = TestDb::new().await;
+    db.schema.migrate(&db.pool).await.unwrap();
+    let outbox = Outbox::new(db.schema.clone());
+    let mut listener = PgListener::connect_with(&db.pool).await.unwrap();
+    listener.listen(&db.schema.notify_channel()).await.unwrap();
+
+    let mut tx = db.pool.begin().await.unwrap();
+    outbox
+        .store(&mut tx, &OutboxMessage::new("", "q", b"no".to_vec()))
+        .await
+        .unwrap();
+    tx.rollback().await.unwrap();
+    assert_eq!(db.count("outbox").await, 0);
+    let none = tokio::time::timeout(Duration::from_millis(300), listener.recv()).await;
+    assert!(none.is_err(), "a rolled-back store notified: {none:?}");
+
+    let mut tx = db.pool.begin().await.unwrap();
+    outbox
+        .store(&mut tx, &OutboxMessage::new("", "q", b"yes".to_vec()))
+        .await
+        .unwrap();
+    // Not before the commit...
+    let early = tokio::time::timeout(Duration::from_millis(200), listener.recv()).await;
+    assert!(early.is_err(), "notified before the commit");
+    tx.commit().await.unwrap();
+    // ...but at once after it.
+    let n = tokio::time::timeout(Duration::from_secs(5), listener.recv())
+        .await
+        .expect("no notification after the commit")
+        .unwrap();
+    assert_eq!(n.channel(), db.schema.notify_channel());
+    assert_eq!(db.count("outbox").await, 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_committed_message_is_published_as_stored_then_deleted() {
+    let db = TestDb::new().await;
+    let (_cleanup, conn, publisher, queue) = broker().await;
+    let token = CancellationToken::new();
+    // A long poll: only the notification can make the relay publish quickly.
+    let relay = tokio::spawn(
+        Relay::new(db.pool.clone(), db.schema.clone(), publisher)
+            .poll_interval(Duration::from_secs(60))
+            .run(token.clone()),
+    );
+    // The relay migrates, then listens; rows stored before are found by its first round.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while db.schema.verify(&db.pool).await.is_err() {
+        assert!(Instant::now() < deadline, "the relay did not migrate");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+
+    let rolled_back = OutboxMessage::new("", queue.as_str(), b"never".to_vec());
+    let mut tx = db.pool.begin().await.unwrap();
+    Outbox::new(db.schema.clone())
+        .store(&mut tx, &rolled_back)
+        .await
+        .unwrap();
+    tx.rollback().await.unwrap();
+
+    let message = OutboxMessage::new("", queue.as_str(), b"\x00body\xff".to_vec())
+        .with_content_type("application/x-test")
+        .with_header("tenant", "acme")
+        .with_header("trace", "t-1");
+    let mut tx = db.pool.begin().await.unwrap();
+    Outbox::new(db.schema.clone())
+        .store(&mut tx, &message)
+        .await
+        .unwrap();
+    let committed = Instant::now();
+    tx.commit().await.unwrap();
+    wait_for(&conn, &queue, 1).await;
+    assert!(
+        committed.elapsed() < Duration::from_secs(10),
+        "published by the poll, not the notification"
+    );
+    let got = drain_queue(&conn, &queue).await;
+    assert_eq!(got.len(), 1, "only the committed message");
+    let got = &got[0];
+    assert_eq!(got.body, message.body);
+    assert_eq!(got.message_id(), message.message_id);
+    assert_eq!(
+        got.properties.content_type().as_ref().map(|s| s.as_str()),
+        Some("application/x-test")
+    );
+    assert_eq!(got.header_str("tenant").as_deref(), Some("acme"));
+    assert_eq!(got.header_str("trace").as_deref(), Some("t-1"));
+    assert_eq!(got.properties.delivery_mode(), &Some(2));
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while db.count("outbox").await != 0 {
+        assert!(
+            Instant::now() < deadline,
+            "the published row was not deleted"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    token.cancel();
+    relay.await.unwrap().expect("relay");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rows_left_by_a_crash_are_published_when_a_relay_starts() {
+    let db = TestDb::new().await;
+    db.schema.migrate(&db.pool).await.unwrap();
+    let (_cleanup, conn, publisher, queue) = broker().await;
+    // Stored and committed while no relay ran (the one that would have published them died).
+    let outbox = Outbox::new(db.schema.clone());
+    let mut ids = BTreeSet::new();
+    for i in 0..5 {
+        let m = OutboxMessage::new("", queue.as_str(), format!("{i}"));
+        ids.insert(m.message_id.clone());
+        let mut tx = db.pool.begin().await.unwrap();
+        outbox.store(&mut tx, &m).await.unwrap();
+        tx.commit().await.unwrap();
+    }
+    let p = pending(&db.pool, &db.schema).await.unwrap();
+    assert_eq!(p.count, 5);
+    assert!(p.oldest_age.is_some());
+
+    let token = CancellationToken::new();
+    let relay =
+        tokio::spawn(Relay::new(db.pool.clone(), db.schema.clone(), publisher).run(token.clone()));
+    wait_for(&conn, &queue, 5).await;
+    token.cancel();
+    relay.await.unwrap().expect("relay");
+    let got: BTreeSet<String> = drain_queue(&conn, &queue)
+        .await
+        .iter()
+        .map(|g| g.message_id())
+        .collect();
+    assert_eq!(got, ids);
+    let p = pending(&db.pool, &db.schema).await.unwrap();
+    assert_eq!((p.count, p.oldest_age), (0, None));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unroutable_message_stays_for_the_next_round() {
+    let db = TestDb::new().await;
+    db.schema.migrate(&db.pool).await.unwrap();
+    let (_cleanup, _conn, publisher, queue) = broker().await;
+    let outbox = Outbox::new(db.schema.clone());
+    let mut tx = db.pool.begin().await.unwrap();
+    outbox
+        .store(
+            &mut tx,
+            &OutboxMessage::new("", format!("{queue}-missing"), b"x".to_vec()),
+        )
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+    let relay = Relay::new(db.pool.clone(), db.schema.clone(), publisher);
+    assert_eq!(relay.relay_once().await.expect("a round"), 1);
+    assert_eq!(
+        db.count("outbox").await,
+        1,
+        "a returned message was deleted"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_relays_publish_every_row() {
+    const N: usize = 200;
+    let db = TestDb::new().await;
+    db.schema.migrate(&db.pool).await.unwrap();
+    let (_cleanup, conn, publisher, queue) = broker().await;
+    let outbox = Outbox::new(db.schema.clone());
+    let mut ids = BTreeSet::new();
+    let mut tx = db.pool.begin().await.unwrap();
+    for i in 0..N {
+        let m = OutboxMessage::new("", queue.as_str(), format!("{i}"));
+        ids.insert(m.message_id.clone());
+        outbox.store(&mut tx, &m).await.unwrap();
+    }
+    tx.commit().await.unwrap();
+    let second = redeliver_amqp::Publisher::new(&conn, DelayConfig::default())
+        .await
+        .unwrap();
+    let token = CancellationToken::new();
+    let relays: Vec<_> = [publisher, second]
+        .into_iter()
+        .map(|p| {
+            tokio::spawn(
+                Relay::new(db.pool.clone(), db.schema.clone(), p)
+                    .batch_size(20)
+                    .poll_interval(Duration::from_millis(100))
+                    .run(token.clone()),
+            )
+        })
+        .collect();
+    wait_for(&conn, &queue, N as u32).await;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while db.count("outbox").await != 0 {
+        assert!(Instant::now() < deadline, "rows left in the outbox");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // Nothing more comes: each row was published once.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    token.cancel();
+    for r in relays {
+        r.await.unwrap().expect("relay");
+    }
+    let got = drain_queue(&conn, &queue).await;
+    assert_eq!(got.len(), N);
+    let got: BTreeSet<String> = got.iter().map(|g| g.message_id()).collect();
+    assert_eq!(got, ids);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_message_amqp_cannot_carry_is_refused_when_stored() {
+    let db = TestDb::new().await;
+    db.schema.migrate(&db.pool).await.unwrap();
+    let outbox = Outbox::new(db.schema.clone());
+    let mut tx = db.pool.begin().await.unwrap();
+    for bad in [
+        OutboxMessage::new("", "q".repeat(256), b"x".to_vec()),
+        OutboxMessage::new("", "q", b"x".to_vec()).with_header("h".repeat(256), "v"),
+        OutboxMessage::new("", "q", b"x".to_vec()).with_message_id("m".repeat(256)),
+    ] {
+        let e = outbox.store(&mut tx, &bad).await.expect_err("refused");
+        assert!(
+            matches!(e, redeliver_postgres::Error::InvalidMessage(_)),
+            "{e}"
+        );
+        assert!(e.to_string().contains("at most 255"), "{e}");
+    }
+    tx.commit().await.unwrap();
+    assert_eq!(db.count("outbox").await, 0);
+}

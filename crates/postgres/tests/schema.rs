@@ -1,0 +1,148 @@
+//! Migrations and names, on a real PostgreSQL.
+
+mod common;
+
+use common::TestDb;
+use redeliver_postgres::{Error, Schema};
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn migrations_are_idempotent_and_recorded() {
+    let db = TestDb::new().await;
+    db.schema.migrate(&db.pool).await.expect("first migration");
+    db.schema.migrate(&db.pool).await.expect("second migration");
+    db.schema.prepare(&db.pool).await.expect("prepare");
+    let versions: Vec<(String, i32)> = sqlx::query_as(&format!(
+        "SELECT table_name, version FROM {}.schema_migrations ORDER BY table_name",
+        db.name
+    ))
+    .fetch_all(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        versions,
+        [("inbox".to_owned(), 1), ("outbox".to_owned(), 1)]
+    );
+    assert_eq!(db.count("inbox").await, 0);
+    assert_eq!(db.count("outbox").await, 0);
+    // The index on processed_at exists.
+    let index: Option<String> = sqlx::query_scalar("SELECT to_regclass($1)::text")
+        .bind(format!("{}.inbox_processed_at_idx", db.name))
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    assert!(index.is_some(), "no index on processed_at");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_migrations_are_safe() {
+    let db = TestDb::new().await;
+    // Without the advisory lock, two CREATE SCHEMA / CREATE TABLE IF NOT EXISTS at once fail
+    // with a unique violation on the catalog, or record a version twice.
+    let runs = (0..4).map(|_| {
+        let (schema, pool) = (db.schema.clone(), db.pool.clone());
+        tokio::spawn(async move { schema.migrate(&pool).await })
+    });
+    for run in futures::future::join_all(runs).await {
+        run.expect("task").expect("a concurrent migration failed");
+    }
+    assert_eq!(db.count("schema_migrations").await, 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn custom_table_names() {
+    let db = TestDb::new().await;
+    let schema = db
+        .schema
+        .clone()
+        .with_inbox_table("Thumbs_Inbox")
+        .unwrap()
+        .with_outbox_table("thumbs_outbox")
+        .unwrap();
+    schema.migrate(&db.pool).await.expect("migrate");
+    // Quoted: the mixed-case name is kept as given.
+    assert_eq!(db.count("\"Thumbs_Inbox\"").await, 0);
+    assert_eq!(db.count("thumbs_outbox").await, 0);
+    // A second set of tables in the same schema gets its own migrations.
+    db.schema
+        .migrate(&db.pool)
+        .await
+        .expect("default names too");
+    assert_eq!(db.count("inbox").await, 0);
+    assert_eq!(db.count("schema_migrations").await, 4);
+    assert_eq!(
+        schema.notify_channel(),
+        format!("{}.thumbs_outbox", db.name)
+    );
+}
+
+#[test]
+fn identifiers_are_validated() {
+    for bad in [
+        "",
+        "9lives",
+        "a-b",
+        "a b",
+        "x\"; DROP TABLE y; --",
+        "sch.ema",
+        "é",
+    ] {
+        let e = Schema::named(bad).expect_err(bad);
+        assert!(e.to_string().contains("invalid schema name"), "{e}");
+        assert!(Schema::default().with_inbox_table(bad).is_err(), "{bad}");
+        assert!(Schema::default().with_outbox_table(bad).is_err(), "{bad}");
+    }
+    let e = Schema::default()
+        .with_inbox_table(&"x".repeat(47))
+        .unwrap_err();
+    assert!(e.to_string().contains("at most 46"), "{e}");
+    assert!(Schema::default()
+        .with_inbox_table("schema_migrations")
+        .is_err());
+    assert!(Schema::default().with_outbox_table("inbox").is_err());
+    assert!(Schema::named("_ok_1").is_ok());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_migrations_the_tables_are_checked() {
+    let db = TestDb::new().await;
+    let managed = db.schema.clone().without_migrations();
+    match managed.prepare(&db.pool).await {
+        Err(Error::MissingTable { table }) => assert_eq!(table, format!("{}.inbox", db.name)),
+        other => panic!("expected MissingTable, got {other:?}"),
+    }
+    // The team's own schema, missing a column.
+    sqlx::raw_sql(&format!(
+        "CREATE SCHEMA {0};
+         CREATE TABLE {0}.inbox (consumer text, message_id text, processed_at timestamptz);
+         CREATE TABLE {0}.outbox (id bigserial, message_id text, exchange text, routing_key text, body bytea, content_type text, created_at timestamptz);",
+        db.name
+    ))
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    match managed.prepare(&db.pool).await {
+        Err(
+            e @ Error::MissingColumn {
+                column: "headers", ..
+            },
+        ) => {
+            assert!(e.to_string().contains("has no column headers"), "{e}")
+        }
+        other => panic!("expected MissingColumn, got {other:?}"),
+    }
+    sqlx::query(&format!(
+        "ALTER TABLE {}.outbox ADD COLUMN headers jsonb",
+        db.name
+    ))
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    managed.prepare(&db.pool).await.expect("complete tables");
+    // Nothing was created: no ledger.
+    let ledger: Option<String> = sqlx::query_scalar("SELECT to_regclass($1)::text")
+        .bind(format!("{}.schema_migrations", db.name))
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(ledger, None);
+}
