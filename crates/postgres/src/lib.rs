@@ -92,3 +92,7 @@ pub use outbox::{
     pending, Outbox, OutboxMessage, Pending, Relay, OUTBOX_OLDEST_AGE_SECONDS, OUTBOX_PENDING,
 };
 pub use schema::Schema;
+
+/// The sqlx this crate is built with: the pool and transaction types of its API are sqlx's, so
+/// a service that uses this re-export never ends up with two versions.
+pub use sqlx;
