@@ -11,8 +11,7 @@ use anyhow::{anyhow, bail, Context as _};
 use clap::Parser;
 use futures::future::try_join_all;
 use redeliver::amqp::headers::RetryState;
-use redeliver::lapin::options::{BasicAckOptions, BasicGetOptions, QueueDeclareOptions};
-use redeliver::lapin::types::FieldTable;
+use redeliver::lapin::options::{BasicAckOptions, BasicGetOptions};
 use redeliver::lapin::{BasicProperties, Connection, ConnectionProperties};
 use redeliver::{
     CancellationToken, Context, DelayConfig, Jitter, Json, Publisher, RetryPolicy, Settings,
@@ -496,17 +495,10 @@ async fn publish(
 /// Ready messages in `queue` (passive declare on a throwaway channel: a 404 closes it).
 async fn message_count(conn: &Connection, queue: &str) -> anyhow::Result<u32> {
     let ch = conn.create_channel().await?;
-    let q = ch
-        .queue_declare(
-            queue.into(),
-            QueueDeclareOptions {
-                passive: true,
-                ..QueueDeclareOptions::default()
-            },
-            FieldTable::default(),
-        )
+    let q = redeliver::amqp::passive_queue(&ch, queue)
         .await
-        .with_context(|| format!("checking queue {queue}"))?;
+        .with_context(|| format!("checking queue {queue}"))?
+        .with_context(|| format!("queue {queue} does not exist"))?;
     let _ = ch.close(200, "ok".into()).await;
     Ok(q.message_count())
 }

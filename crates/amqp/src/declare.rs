@@ -150,6 +150,40 @@ pub(crate) struct Session<'a> {
     channel: Option<Channel>,
 }
 
+/// Declares `queue` passively on `channel`: the queue's counts, or `None` when it does not exist.
+/// The broker answers a missing queue with a 404 that closes `channel`: pass a channel of its
+/// own, or open another after a `None`.
+///
+/// ```no_run
+/// # async fn demo(conn: &redeliver_amqp::lapin::Connection) -> Result<(), redeliver_amqp::lapin::Error> {
+/// let channel = conn.create_channel().await?;
+/// match redeliver_amqp::passive_queue(&channel, "images.dlq").await? {
+///     Some(q) => println!("{} ready, {} consumers", q.message_count(), q.consumer_count()),
+///     None => println!("no such queue"),
+/// }
+/// # Ok(()) }
+/// ```
+pub async fn passive_queue(
+    channel: &Channel,
+    queue: &str,
+) -> Result<Option<lapin::Queue>, lapin::Error> {
+    let declared = channel
+        .queue_declare(
+            queue.into(),
+            QueueDeclareOptions {
+                passive: true,
+                ..QueueDeclareOptions::default()
+            },
+            FieldTable::default(),
+        )
+        .await;
+    match declared {
+        Ok(q) => Ok(Some(q)),
+        Err(e) if crate::error::is_not_found(&e) => Ok(None),
+        Err(e) => Err(e),
+    }
+}
+
 impl<'a> Session<'a> {
     pub(crate) fn new(conn: &'a Connection) -> Self {
         Self {

@@ -63,7 +63,7 @@ mod topology;
 
 pub use lapin;
 
-pub use declare::{QueueType, OPERATOR_DELIVERY_LIMIT};
+pub use declare::{passive_queue, QueueType, OPERATOR_DELIVERY_LIMIT};
 pub use delay::{DelayConfig, DelayRoute, OverMax};
 pub use error::{is_not_found, DelayConfigError, DelayError, TopologyError};
 pub use frame_guard::{headers_removed, HeadersRemoved, HEADERS_REMOVED, MAX_HEADER_DEPTH};

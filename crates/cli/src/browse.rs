@@ -18,7 +18,6 @@ use futures::StreamExt as _;
 use lapin::message::Delivery;
 use lapin::options::{
     BasicAckOptions, BasicCancelOptions, BasicConsumeOptions, BasicNackOptions, BasicQosOptions,
-    QueueDeclareOptions,
 };
 use lapin::types::FieldTable;
 use lapin::{Channel, Connection, Consumer};
@@ -59,7 +58,7 @@ pub(crate) async fn probe_queue(
         .create_channel()
         .await
         .context("cannot open a channel")?;
-    let Some(q) = declare_passive(&ch, queue)
+    let Some(q) = redeliver_amqp::passive_queue(&ch, queue)
         .await
         .with_context(|| format!("cannot inspect queue '{queue}'"))?
     else {
@@ -71,26 +70,6 @@ pub(crate) async fn probe_queue(
         messages: q.message_count(),
         consumers: q.consumer_count(),
     }))
-}
-
-/// Passive declare of `queue` on `ch`; `Ok(None)` when the queue does not exist (the broker's
-/// 404 closes `ch`).
-async fn declare_passive(ch: &Channel, queue: &str) -> lapin::Result<Option<lapin::Queue>> {
-    let res = ch
-        .queue_declare(
-            queue.into(),
-            QueueDeclareOptions {
-                passive: true,
-                ..QueueDeclareOptions::default()
-            },
-            FieldTable::default(),
-        )
-        .await;
-    match res {
-        Ok(q) => Ok(Some(q)),
-        Err(e) if is_not_found(&e) => Ok(None),
-        Err(e) => Err(e),
-    }
 }
 
 /// Like [`probe_queue`] but a missing queue is an error that tells how to declare it.
@@ -277,7 +256,7 @@ impl Reader {
     /// The queue's counts, by a passive declare on the reader's own channel; `None` when the
     /// queue was deleted meanwhile (which closes the channel).
     async fn counts(&self) -> anyhow::Result<Option<QueueCounts>> {
-        let q = declare_passive(&self.channel, &self.queue)
+        let q = redeliver_amqp::passive_queue(&self.channel, &self.queue)
             .await
             .with_context(|| format!("cannot count the messages of '{}'", self.queue))?;
         Ok(q.map(|q| QueueCounts {

@@ -62,6 +62,11 @@ struct Harness {
 impl Harness {
     fn new(builder: WorkerBuilder, mode: DeadLetterMode, broker: FakeBroker) -> Self {
         let worker = builder.build().expect("valid test settings").shared();
+        Self::on(worker, mode, broker)
+    }
+
+    /// A new session of `worker` (its requeue ledger and tokens kept) on `broker`.
+    fn on(worker: Arc<Shared>, mode: DeadLetterMode, broker: FakeBroker) -> Self {
         let session = Arc::new(Deliveries::new(
             FakeLink(broker),
             rules(mode),
@@ -316,14 +321,7 @@ async fn a_timeout_the_policy_forwards_goes_to_the_other_queue_then_acks() {
     let mut second = FieldTable::default();
     second.insert(headers::ATTEMPT.into(), AMQPValue::LongLongInt(1));
     second.insert("tenant".into(), AMQPValue::LongString("acme".into()));
-    let h = Harness {
-        session: Arc::new(Deliveries::new(
-            FakeLink(FakeBroker::new()),
-            rules(DeadLetterMode::Reject),
-            crate::meters::Meters::new(QUEUE),
-        )),
-        ..h
-    };
+    let h = Harness::on(h.worker, DeadLetterMode::Reject, FakeBroker::new());
     h.deliver(delivery(b"{}", second)).await;
     assert_eq!(
         h.broker().calls(),
@@ -427,14 +425,7 @@ async fn requeues_while_publishing_is_blocked_never_reach_the_limit() {
     for _ in 0..5 {
         let blocked =
             FakeBroker::answering_copy([Err(CopyError::Blocked(Duration::from_secs(30)))]);
-        let h = Harness {
-            worker: Arc::clone(&worker),
-            session: Arc::new(Deliveries::new(
-                FakeLink(blocked),
-                rules(DeadLetterMode::Reject),
-                crate::meters::Meters::new(QUEUE),
-            )),
-        };
+        let h = Harness::on(Arc::clone(&worker), DeadLetterMode::Reject, blocked);
         h.deliver(order()).await;
         assert_eq!(
             h.broker().calls().last(),
@@ -450,14 +441,8 @@ async fn past_the_requeue_limit_the_message_is_dead_lettered() {
     let mut last = Vec::new();
     // The limit is 2: the third unconfirmed copy in a row ends in the DLQ.
     for _ in 0..3 {
-        let h = Harness {
-            worker: Arc::clone(&worker),
-            session: Arc::new(Deliveries::new(
-                FakeLink(FakeBroker::answering([Err(nacked())])),
-                rules(DeadLetterMode::Reject),
-                crate::meters::Meters::new(QUEUE),
-            )),
-        };
+        let nacking = FakeBroker::answering([Err(nacked())]);
+        let h = Harness::on(Arc::clone(&worker), DeadLetterMode::Reject, nacking);
         h.deliver(order()).await;
         last = h.broker().calls();
     }

@@ -117,24 +117,16 @@ async fn measure_parking(connection: &Connection, name: &str) {
     let Ok(channel) = connection.create_channel().await else {
         return;
     };
-    let declared = channel
-        .queue_declare(
-            name.into(),
-            QueueDeclareOptions {
-                passive: true,
-                ..QueueDeclareOptions::default()
-            },
-            FieldTable::default(),
-        )
-        .await;
+    let declared = redeliver_amqp::passive_queue(&channel, name).await;
     match declared {
-        Ok(q) => {
+        Ok(Some(q)) => {
             metrics::gauge!(m::DELAY_UNROUTABLE_MESSAGES, m::LABEL_PARKING_QUEUE => name.to_owned())
                 .set(f64::from(q.message_count()));
             if q.message_count() > 0 {
                 warn!(queue = %name, messages = q.message_count(), "messages parked in the delay infrastructure's unroutable queue");
             }
         }
+        Ok(None) => debug!(queue = %name, "the unroutable queue is missing: not measured"),
         Err(e) => debug!(queue = %name, error = %e, "cannot measure the unroutable queue"),
     }
     if channel.status().connected() {
