@@ -26,6 +26,11 @@
 //!     --queue work --prefix t1. --record /tmp/ok.txt --fail-rate 0.2 --seed 7
 //! ```
 //!
+//! With `--inbox-schema` the handler's effect is a row written through the PostgreSQL inbox
+//! (`redeliver::postgres`), with fault points before and after its commit: see
+//! `examples/reliability_worker/inbox.rs`. `DATABASE_URL` names the database (default
+//! `postgres://postgres@127.0.0.1:5432/test`).
+//!
 //! The broker URLs hold the password, so the harness passes them in `AMQP_URL`, not on the
 //! command line (where `ps` shows them). Several URLs (comma-separated, or `--url` repeated) are
 //! the worker's own failover list
@@ -47,6 +52,9 @@ use redeliver::{
     RetryBudget, RetryPolicy, Topology, Worker, WorkerState, WorkerStatus,
 };
 use tracing::{info, warn};
+
+#[path = "reliability_worker/inbox.rs"]
+mod inbox;
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
 enum Kind {
@@ -173,6 +181,42 @@ struct Args {
     /// `redeliver-worker:<queue>`).
     #[arg(long)]
     connection_name: Option<String>,
+    /// Inbox mode: each handled message writes one row to `<schema>.effects` through the
+    /// PostgreSQL inbox of this schema (the test creates the schema and the table).
+    #[arg(long)]
+    inbox_schema: Option<String>,
+    /// The PostgreSQL database of the inbox mode.
+    #[arg(
+        long,
+        env = "DATABASE_URL",
+        hide_env_values = true,
+        default_value = "postgres://postgres@127.0.0.1:5432/test"
+    )]
+    database_url: String,
+    /// Inbox consumer name (default: the queue's full name).
+    #[arg(long)]
+    inbox_consumer: Option<String>,
+    /// Inbox mode: also store an outbox message to this queue (default exchange) per handled
+    /// message, with the message's id.
+    #[arg(long)]
+    outbox_queue: Option<String>,
+    /// Inbox mode: file each delivery appends `<id> <label> <start ms> <end ms> <outcome>` to.
+    #[arg(long)]
+    deliveries: Option<PathBuf>,
+    /// Inbox mode: abort inside the transaction, after the effect's INSERT, on the first
+    /// delivery of this message id (repeatable).
+    #[arg(long)]
+    abort_before_commit: Vec<String>,
+    /// Inbox mode: abort after the inbox committed, before the ack, on the first delivery of
+    /// this message id (repeatable).
+    #[arg(long)]
+    abort_after_commit: Vec<String>,
+    /// Inbox mode: seeded probability of an abort before the commit (first deliveries only).
+    #[arg(long, default_value_t = 0.0)]
+    abort_before_commit_rate: f64,
+    /// Inbox mode: seeded probability of an abort after the commit (first deliveries only).
+    #[arg(long, default_value_t = 0.0)]
+    abort_after_commit_rate: f64,
 }
 
 #[derive(Debug, serde::Deserialize)]
@@ -294,6 +338,18 @@ impl App {
         }
         let behaviour = self.behaviour(&job, attempt);
         self.log_call(&id, attempt, &format!("{behaviour:?}").to_lowercase());
+        self.act(behaviour, &id, attempt).await?;
+        // Recorded before returning Ok, i.e. before the ack: if recording fails the message must
+        // not be acked, so it becomes a transient error and is retried.
+        Self::append(&self.record, &format!("{id} {}\n", self.label), self.fsync)
+            .map_err(|e| HandlerError::transient(format!("cannot record success: {e}")))?;
+        Ok(())
+    }
+}
+
+impl App {
+    /// The simulated work and the chosen behaviour of one attempt.
+    async fn act(&self, behaviour: Behaviour, id: &str, attempt: u32) -> Result<(), HandlerError> {
         if !self.work.is_zero() {
             tokio::time::sleep(self.work).await;
         }
@@ -316,12 +372,16 @@ impl App {
                 tokio::time::sleep(self.hang).await;
             }
         }
-        // Recorded before returning Ok, i.e. before the ack: if recording fails the message must
-        // not be acked, so it becomes a transient error and is retried.
-        Self::append(&self.record, &format!("{id} {}\n", self.label), self.fsync)
-            .map_err(|e| HandlerError::transient(format!("cannot record success: {e}")))?;
         Ok(())
     }
+}
+
+/// Milliseconds since the Unix epoch.
+fn unix_ms() -> u128 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis())
+        .unwrap_or(0)
 }
 
 fn open_append(path: &PathBuf) -> anyhow::Result<File> {
@@ -368,20 +428,23 @@ fn topology(args: &Args) -> Topology {
         .delay(delay)
 }
 
-fn build(args: &Args, app: &Arc<App>) -> anyhow::Result<Worker> {
+fn build(args: &Args, app: &Arc<App>, inbox: Option<inbox::Faulty>) -> anyhow::Result<Worker> {
     let app = Arc::clone(app);
     let (first, others) = args.urls.split_first().context("no --url given")?;
-    let mut b = Worker::builder(first.clone())
+    let b = Worker::builder(first.clone())
         .failover_urls(others.to_vec())
         .topology(topology(args))
         .policy(policy(args))
         .prefetch(args.prefetch)
         .concurrency(args.concurrency)
-        .shutdown_grace(Duration::from_millis(args.shutdown_grace_ms))
-        .handler(move |job: Json<Job>, ctx: Context| {
+        .shutdown_grace(Duration::from_millis(args.shutdown_grace_ms));
+    let mut b = match inbox {
+        Some(h) => b.handler_impl(h),
+        None => b.handler(move |job: Json<Job>, ctx: Context| {
             let app = Arc::clone(&app);
             async move { app.handle(job.into_inner(), ctx).await }
-        });
+        }),
+    };
     if let Some(ms) = args.handler_timeout_ms {
         b = b.handler_timeout(Duration::from_millis(ms));
     }
@@ -395,10 +458,7 @@ fn build(args: &Args, app: &Arc<App>) -> anyhow::Result<Worker> {
 fn watch_events(file: File, mut status: WorkerStatus) {
     let file = Mutex::new(file);
     let write = move |state: WorkerState, broker: Option<usize>| {
-        let ms = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.as_millis())
-            .unwrap_or(0);
+        let ms = unix_ms();
         let broker = broker.map_or_else(|| "-".to_owned(), |i| i.to_string());
         if let Err(e) = App::append(&file, &format!("{ms} {state} {broker}\n"), false) {
             warn!(error = %e, "cannot append to the events file");
@@ -536,7 +596,41 @@ async fn main() -> anyhow::Result<()> {
         work: Duration::from_millis(args.work_ms),
         require_content_type: args.require_content_type.clone(),
     });
-    let worker = build(&args, &app)?;
+    let inbox = match &args.inbox_schema {
+        Some(schema) => Some(
+            inbox::handler(
+                Arc::clone(&app),
+                inbox::Options {
+                    database_url: args.database_url.clone(),
+                    schema: schema.clone(),
+                    consumer: args
+                        .inbox_consumer
+                        .clone()
+                        .unwrap_or_else(|| format!("{}{}", args.prefix, args.queue)),
+                    outbox_queue: args.outbox_queue.clone(),
+                    deliveries: args.deliveries.as_ref().map(open_append).transpose()?,
+                    faults: inbox::Faults {
+                        before_commit: args.abort_before_commit.clone(),
+                        after_commit: args.abort_after_commit.clone(),
+                        before_commit_rate: rate(
+                            "abort-before-commit-rate",
+                            args.abort_before_commit_rate,
+                        )?,
+                        after_commit_rate: rate(
+                            "abort-after-commit-rate",
+                            args.abort_after_commit_rate,
+                        )?,
+                    },
+                    pool_size: u32::try_from(args.concurrency)
+                        .unwrap_or(u32::MAX)
+                        .saturating_add(2),
+                },
+            )
+            .await?,
+        ),
+        None => None,
+    };
+    let worker = build(&args, &app, inbox)?;
     if let Some(path) = &args.events {
         watch_events(open_append(path)?, worker.status_handle());
     }
