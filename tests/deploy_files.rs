@@ -45,6 +45,89 @@ fn compose_runs_rabbitmq_with_management_and_the_worker() {
         worker["depends_on"]["rabbitmq"]["condition"].as_str(),
         Some("service_healthy")
     );
+    // The worker is the Dockerfile's default example.
+    let example = &worker["build"]["args"]["EXAMPLE"];
+    assert!(
+        example.is_null() || example.as_str() == Some("image_processing"),
+        "{example:?}"
+    );
+}
+
+#[test]
+fn compose_runs_postgres_and_the_outbox_web_service() {
+    let doc = load("compose/docker-compose.yml");
+    let postgres = &doc["services"]["postgres"];
+    assert_eq!(postgres["image"].as_str(), Some("postgres:17"));
+    let check: Vec<&str> = postgres["healthcheck"]["test"]
+        .as_sequence()
+        .expect("a healthcheck command")
+        .iter()
+        .map(|p| p.as_str().unwrap())
+        .collect();
+    assert!(check.contains(&"pg_isready"), "{check:?}");
+    // The data outlives the container: a named volume on PostgreSQL's data directory.
+    let volume = postgres["volumes"][0].as_str().expect("a volume");
+    let (name, path) = volume.split_once(':').expect("NAME:PATH");
+    assert_eq!(path, "/var/lib/postgresql/data");
+    assert!(
+        doc["volumes"].as_mapping().unwrap().contains_key(name),
+        "volume {name} is not declared"
+    );
+    let user = postgres["environment"]["POSTGRES_USER"].as_str().unwrap();
+    let db = postgres["environment"]["POSTGRES_DB"].as_str().unwrap();
+
+    let web = &doc["services"]["web"];
+    assert_eq!(
+        web["build"]["dockerfile"].as_str(),
+        Some("compose/Dockerfile")
+    );
+    assert_eq!(web["build"]["args"]["EXAMPLE"].as_str(), Some("outbox_web"));
+    let example = format!("{}/examples/outbox_web.rs", env!("CARGO_MANIFEST_DIR"));
+    assert!(std::path::Path::new(&example).is_file(), "{example}");
+    let database_url = web["environment"]["DATABASE_URL"].as_str().unwrap();
+    assert!(
+        database_url.starts_with(&format!("postgres://{user}:"))
+            && database_url.ends_with(&format!("@postgres:5432/{db}")),
+        "the web service must reach the postgres service's database: {database_url}"
+    );
+    let amqp_url = web["environment"]["AMQP_URL"].as_str().unwrap();
+    assert!(amqp_url.contains("@rabbitmq:5672"), "{amqp_url}");
+    for service in ["postgres", "rabbitmq"] {
+        assert_eq!(
+            web["depends_on"][service]["condition"].as_str(),
+            Some("service_healthy"),
+            "web waits for {service}"
+        );
+    }
+    // It listens where its port is published, and not on Grafana's 3000.
+    let addr = web["environment"]["WEB_ADDR"].as_str().unwrap();
+    let port = addr.rsplit(':').next().unwrap();
+    let ports: Vec<&str> = web["ports"]
+        .as_sequence()
+        .unwrap()
+        .iter()
+        .map(|p| p.as_str().unwrap())
+        .collect();
+    assert_eq!(ports, vec![format!("{port}:{port}")]);
+    assert_ne!(port, "3000");
+}
+
+/// The `members` of the workspace's Cargo.toml (one line, as it is written there).
+fn workspace_members() -> Vec<String> {
+    let path = format!("{}/Cargo.toml", env!("CARGO_MANIFEST_DIR"));
+    let text = std::fs::read_to_string(path).unwrap();
+    let line = text
+        .lines()
+        .find(|l| l.starts_with("members = ["))
+        .expect("a one-line members list");
+    let members: Vec<String> = line
+        .split('"')
+        .skip(1)
+        .step_by(2)
+        .map(str::to_owned)
+        .collect();
+    assert!(members.len() > 3, "{line}");
+    members
 }
 
 #[test]
@@ -53,7 +136,29 @@ fn dockerfile_is_multi_stage_and_runs_as_non_root() {
     let text = std::fs::read_to_string(path).unwrap();
     let stages = text.lines().filter(|l| l.starts_with("FROM ")).count();
     assert!(stages >= 2, "multi-stage build expected");
-    assert!(text.contains("--example image_processing"));
+    // One example per image, the worker unless the build argument names another.
+    assert!(text.contains("ARG EXAMPLE=image_processing"), "{text}");
+    assert!(text.contains("--example \"$EXAMPLE\""), "{text}");
+    // The cached dependency layer needs every workspace member's manifest, or cargo refuses
+    // the workspace.
+    // ... and a placeholder source for each crate under crates/.
+    let placeholders: Vec<&str> = text
+        .lines()
+        .filter_map(|l| l.split_once("for lib in ").or(l.split_once("for bin in ")))
+        .flat_map(|(_, rest)| rest.split(';').next().unwrap_or("").split_whitespace())
+        .collect();
+    for member in workspace_members() {
+        assert!(
+            text.contains(&format!("COPY {member}/Cargo.toml {member}/")),
+            "compose/Dockerfile does not copy {member}/Cargo.toml"
+        );
+        if let Some(name) = member.strip_prefix("crates/") {
+            assert!(
+                placeholders.contains(&name),
+                "compose/Dockerfile has no placeholder source for {member}: {placeholders:?}"
+            );
+        }
+    }
     let user = text
         .lines()
         .rev()

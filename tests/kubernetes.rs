@@ -562,3 +562,123 @@ fn the_rabbitmq_cluster_has_three_nodes_and_the_prometheus_plugin() {
         .collect();
     assert!(plugins.contains(&"rabbitmq_prometheus"), "{plugins:?}");
 }
+
+/// The web service in front of the outbox takes both URLs from Secrets (the broker's from the
+/// worker's Secret, the database's from the example database Secret, kept out of the folder
+/// apply), runs the release's image, probes the port it listens on, and its Service reaches it.
+#[test]
+fn the_outbox_web_service_reads_both_urls_from_secrets() {
+    let docs = load(&format!("{DIR}/outbox-web.yaml"));
+    let deployment = one(&docs, "Deployment");
+    let spec = pod_spec(&deployment).unwrap();
+    let container = &spec["containers"][0];
+    let env = seq(&container["env"]);
+    let secret_ref = |name: &str| {
+        let e = env
+            .iter()
+            .find(|e| e["name"].as_str() == Some(name))
+            .unwrap_or_else(|| panic!("no env {name}"));
+        assert!(
+            e["value"].is_null(),
+            "{name} must not be written in the manifest"
+        );
+        let r = &e["valueFrom"]["secretKeyRef"];
+        (
+            r["name"]
+                .as_str()
+                .unwrap_or_else(|| panic!("{name} is not from a Secret"))
+                .to_owned(),
+            r["key"].as_str().expect("a key").to_owned(),
+        )
+    };
+    for (variable, file) in [
+        ("DATABASE_URL", "postgres-secret.yaml.example"),
+        ("AMQP_URL", "secret.yaml.example"),
+    ] {
+        let (name, key) = secret_ref(variable);
+        let path = format!("{DIR}/{file}");
+        let secret = one(&load(&path), "Secret");
+        assert_eq!(
+            secret["metadata"]["name"].as_str(),
+            Some(name.as_str()),
+            "{variable}"
+        );
+        let example = secret["stringData"][key.as_str()]
+            .as_str()
+            .unwrap_or_else(|| panic!("{path} has no {key}"));
+        let scheme = if variable == "DATABASE_URL" {
+            "postgres://"
+        } else {
+            "amqp://"
+        };
+        assert!(example.starts_with(scheme), "{example}");
+        assert!(
+            !applied_files(&root().join(DIR))
+                .iter()
+                .any(|f| f.ends_with(file)),
+            "kubectl would apply {path}"
+        );
+    }
+
+    let image = container["image"].as_str().expect("image");
+    assert_eq!(
+        image,
+        format!("redeliver-outbox-web:{}", env!("CARGO_PKG_VERSION")),
+        "a pinned image of the release"
+    );
+    assert_eq!(container["imagePullPolicy"].as_str(), Some("IfNotPresent"));
+
+    // It listens (WEB_ADDR) on the port the probes and the Service use.
+    let addr = env
+        .iter()
+        .find(|e| e["name"].as_str() == Some("WEB_ADDR"))
+        .and_then(|e| e["value"].as_str())
+        .expect("WEB_ADDR");
+    let port = seq(&container["ports"])
+        .iter()
+        .find(|p| p["name"].as_str() == Some("http"))
+        .expect("a port named http");
+    assert!(
+        addr.starts_with("0.0.0.0:"),
+        "{addr}: reachable from outside the pod"
+    );
+    assert_eq!(
+        addr.rsplit(':').next(),
+        port["containerPort"]
+            .as_u64()
+            .map(|p| p.to_string())
+            .as_deref()
+    );
+    assert_eq!(
+        container["livenessProbe"]["httpGet"]["path"].as_str(),
+        Some("/livez")
+    );
+    assert_eq!(
+        container["readinessProbe"]["httpGet"]["path"].as_str(),
+        Some("/readyz")
+    );
+    for probe in ["livenessProbe", "readinessProbe"] {
+        assert_eq!(
+            container[probe]["httpGet"]["port"].as_str(),
+            Some("http"),
+            "{probe}"
+        );
+    }
+    let service = one(&docs, "Service");
+    assert_eq!(
+        service["spec"]["ports"][0]["targetPort"].as_str(),
+        Some("http")
+    );
+    let labels = deployment["spec"]["template"]["metadata"]["labels"]
+        .as_mapping()
+        .unwrap();
+    let selector = service["spec"]["selector"]
+        .as_mapping()
+        .expect("a selector");
+    assert!(
+        selector.iter().all(|(k, v)| labels.get(k) == Some(v)),
+        "the Service selects the Deployment's pods"
+    );
+    // Not scraped as a worker: it has no health port and no worker metrics.
+    assert!(labels.get("app.kubernetes.io/part-of").is_none());
+}

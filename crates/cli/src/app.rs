@@ -51,6 +51,7 @@ fn hints_for(cmd: &Command) -> HintContext {
             Some(declare_line("QUEUE", p))
         }
         Command::Delay(DelayCmd::Probe(p)) => Some(declare_line("QUEUE", &p.prefix)),
+        Command::Outbox(_) => None,
     };
     HintContext { declare_command }
 }
@@ -165,6 +166,10 @@ async fn dispatch(cmd: Command, conn: &lapin::Connection) -> anyhow::Result<()> 
             let cfg = topology::delay_config(&p.prefix, &p.delay);
             probe::run(conn, &cfg, &p.prefix, &p.delays, p.grace, p.json).await
         }
+        // main runs it without a broker (crate::outbox); never reached with a connection.
+        Command::Outbox(_) => Err(anyhow::anyhow!(
+            "outbox commands talk to PostgreSQL, not to the broker"
+        )),
     }
 }
 

@@ -71,8 +71,9 @@ const TLS_HEADING: &str =
     about = "Operator tool for redeliver: topology, dead-letter queues and the delay infrastructure",
     long_about = "Operator tool for redeliver: inspect and repair a RabbitMQ consumer's topology, \
 its dead-letter queue (Q.dlq), the shared delay levels and their parking queue for unroutable \
-messages.\n\nExit codes: 0 success, 1 error (broker, queue, message), 2 usage (bad arguments, a \
-destructive command without --yes).",
+messages, and watch the PostgreSQL outbox of redeliver-postgres.\n\nExit codes: 0 success, 1 \
+error (broker, database, queue, message), 2 usage (bad arguments, a destructive command without \
+--yes).",
     after_help = "The password in --url / AMQP_URL is never printed; messages show it as ***. amqps:// \
 URLs connect with TLS and verify the broker's certificate and host name."
 )]
@@ -186,6 +187,9 @@ pub(crate) enum Command {
     /// Self-tests of the delay infrastructure
     #[command(subcommand)]
     Delay(DelayCmd),
+    /// The PostgreSQL outbox of redeliver-postgres: messages committed, not yet published
+    #[command(subcommand)]
+    Outbox(OutboxCmd),
 }
 
 #[derive(Subcommand, Debug)]
@@ -649,6 +653,44 @@ pub(crate) struct ProbeArgs {
     #[command(flatten)]
     pub delay: DelayArgs,
     /// Print JSON instead of a table
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Subcommand, Debug)]
+pub(crate) enum OutboxCmd {
+    /// How many messages wait in the outbox, and for how long the oldest has waited
+    #[command(long_about = format!("Count the rows of the outbox table (messages that \
+transactions stored and committed, which no relay has published yet) and the age of the oldest, \
+as redeliver_postgres::pending computes them and the relay's gauges redeliver_outbox_pending and \
+redeliver_outbox_oldest_age_seconds report them. A count that keeps growing, or an old oldest \
+row, means no relay runs or it cannot reach the broker. Reads only: nothing is changed or \
+created, so a missing table is an error (exit code 1) naming it.\n\nThe database comes from \
+--database-url / DATABASE_URL (its password is never printed); --connect-timeout bounds the \
+connection to it. --schema and --outbox-table must name the tables the services use (their \
+redeliver_postgres::Schema).\n\n--json prints {{\"outbox\" (schema.table), \"schema\", \
+\"table\", \"pending\", \"oldest_age_seconds\" (null when nothing is pending)}}. \
+{JSON_OUTPUT}"))]
+    Status(OutboxStatusArgs),
+}
+
+#[derive(Args, Debug, Clone)]
+pub(crate) struct OutboxStatusArgs {
+    /// PostgreSQL URL: postgres://USER:PASSWORD@HOST:PORT/DATABASE
+    #[arg(long, env = "DATABASE_URL", hide_env_values = true, value_name = "URL")]
+    pub database_url: Option<String>,
+    /// Schema of the outbox table
+    #[arg(
+        long,
+        env = "REDELIVER_PG_SCHEMA",
+        default_value = "redeliver",
+        value_name = "NAME"
+    )]
+    pub schema: String,
+    /// Name of the outbox table
+    #[arg(long, default_value = "outbox", value_name = "TABLE")]
+    pub outbox_table: String,
+    /// Print JSON instead of text
     #[arg(long)]
     pub json: bool,
 }

@@ -79,11 +79,21 @@ pub(crate) fn exit_code(err: &anyhow::Error) -> u8 {
 /// escaping (an escaped password would no longer be found) and once more from the whole text.
 pub(crate) fn render(err: &anyhow::Error, url: Option<&BrokerUrl>, ctx: &HintContext) -> String {
     let scrub = |s: &str| url.map_or_else(|| s.to_owned(), |u| u.scrub(s));
+    render_with(err, &hints(err, url, ctx), &scrub)
+}
+
+/// [`render`] with the hints given and the scrubbing of another URL: for the commands that
+/// talk to something else than the broker (the database of `outbox status`).
+pub(crate) fn render_with(
+    err: &anyhow::Error,
+    hints: &[String],
+    scrub: &dyn Fn(&str) -> String,
+) -> String {
     let line = |s: &str| text::escape(&scrub(s)).into_owned();
     let mut out = format!("error: {}\n", line(&chain_text(err)));
-    for hint in hints(err, url, ctx) {
+    for hint in hints {
         out.push_str("hint: ");
-        out.push_str(&line(&hint));
+        out.push_str(&line(hint));
         out.push('\n');
     }
     scrub(&out)

@@ -13,6 +13,7 @@ mod conn;
 mod dlq;
 mod errors;
 mod message;
+mod outbox;
 mod output;
 mod probe;
 mod select;
@@ -27,6 +28,10 @@ use clap::Parser as _;
 fn main() -> ExitCode {
     // clap prints usage errors itself and exits with code 2.
     let cli = cli::Cli::parse();
+    // The outbox is in PostgreSQL: no broker URL to read, no broker to connect to.
+    if let cli::Command::Outbox(cmd) = cli.command {
+        return outbox::main(cmd, cli.connect_timeout);
+    }
     let (inv, checked) = app::prepare(&cli);
     let result = checked.and_then(|()| {
         let url = inv

@@ -8,11 +8,14 @@ use std::path::PathBuf;
 use redeliver_testkit::process::Output;
 use redeliver_testkit::{amqp_url, connect};
 
-/// Runs `redeliver ARGS` with exactly these extra environment variables (AMQP_URL removed
-/// unless given).
+/// Runs `redeliver ARGS` with exactly these extra environment variables (AMQP_URL and the
+/// outbox's variables removed unless given).
 fn cli_env(args: &[&str], env: &[(&str, &str)]) -> Output {
     let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_redeliver"));
-    cmd.args(args).env_remove("AMQP_URL");
+    cmd.args(args)
+        .env_remove("AMQP_URL")
+        .env_remove("DATABASE_URL")
+        .env_remove("REDELIVER_PG_SCHEMA");
     for (k, v) in env {
         cmd.env(k, v);
     }
@@ -69,14 +72,26 @@ fn help_texts() {
         ),
         ("help_unroutable_purge", &["unroutable", "purge", "--help"]),
         ("help_delay_probe", &["delay", "probe", "--help"]),
+        ("help_outbox", &["outbox", "--help"]),
+        ("help_outbox_status", &["outbox", "status", "--help"]),
     ];
     for (name, args) in cases {
         // A secret in the environment must not show up in help ("hide_env_values").
-        let out = cli_env(args, &[("AMQP_URL", "amqp://u:env-secret-pw@h:5672/%2f")]);
+        let out = cli_env(
+            args,
+            &[
+                ("AMQP_URL", "amqp://u:env-secret-pw@h:5672/%2f"),
+                ("DATABASE_URL", "postgres://u:env-secret-db@h/db"),
+            ],
+        );
         assert_eq!(out.code, 0, "{name}: {out:?}");
         assert!(
             !out.stdout.contains("env-secret-pw"),
             "{name} leaks AMQP_URL"
+        );
+        assert!(
+            !out.stdout.contains("env-secret-db"),
+            "{name} leaks DATABASE_URL"
         );
         check(name, &out.stdout);
     }
@@ -107,6 +122,24 @@ fn unreachable_broker() {
     );
     assert!(out.stdout.is_empty(), "{}", out.stdout);
     check("error_unreachable", &out.stderr);
+}
+
+#[cfg(feature = "postgres")]
+#[test]
+fn unreachable_database() {
+    let out = cli_env(
+        &[
+            "outbox",
+            "status",
+            "--database-url",
+            "postgres://app:s3cret-pw@127.0.0.1:1/shop",
+        ],
+        &[],
+    );
+    assert_eq!(out.code, 1, "{out:?}");
+    assert!(!out.stderr.contains("s3cret-pw"), "{}", out.stderr);
+    assert!(out.stdout.is_empty(), "{}", out.stdout);
+    check("error_outbox_unreachable", &out.stderr);
 }
 
 /// AMQP_URL with its password replaced by `password`, and that URL as the CLI prints it.

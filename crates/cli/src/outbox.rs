@@ -1,0 +1,394 @@
+//! `outbox status`: what waits in the PostgreSQL outbox of redeliver-postgres.
+//!
+//! The only command that talks to the database instead of the broker, so main runs it before
+//! reading any broker setting. Errors go through the same rendering as the others
+//! ([`errors::render_with`]), with hints of their own and the database password scrubbed;
+//! the exit codes are the same: 1 when the database cannot be reached or the table is missing,
+//! 2 for the command line (no URL, a bad URL or table name, a build without the feature).
+
+use std::process::ExitCode;
+use std::time::Duration;
+
+use crate::cli::{OutboxCmd, OutboxStatusArgs};
+use crate::errors;
+
+/// Runs `cmd` and prints its error, if any, as the other commands do.
+pub(crate) fn main(cmd: OutboxCmd, connect_timeout: Duration) -> ExitCode {
+    let OutboxCmd::Status(args) = cmd;
+    let password = args.database_url.as_deref().and_then(password_of);
+    match status(&args, connect_timeout) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            let scrubbed = |s: &str| scrub(s, password.as_deref());
+            eprint!("{}", errors::render_with(&e, &hints(&e), &scrubbed));
+            ExitCode::from(errors::exit_code(&e))
+        }
+    }
+}
+
+#[cfg(not(feature = "postgres"))]
+fn status(_: &OutboxStatusArgs, _: Duration) -> anyhow::Result<()> {
+    Err(errors::UsageError(
+        "this redeliver was built without its `postgres` feature, which the outbox commands \
+         need: build it with the default features (`cargo install --path crates/cli`) or \
+         `--features postgres`"
+            .to_owned(),
+    )
+    .into())
+}
+
+#[cfg(not(feature = "postgres"))]
+fn hints(_: &anyhow::Error) -> Vec<String> {
+    Vec::new()
+}
+
+#[cfg(feature = "postgres")]
+use db::{hints, status};
+
+#[cfg(feature = "postgres")]
+mod db {
+    use std::fmt;
+    use std::time::Duration;
+
+    use anyhow::Context as _;
+    use redeliver_postgres::{pending, Pending, Schema};
+    use serde::Serialize;
+    use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+    use sqlx::{ConnectOptions as _, Connection as _};
+
+    use super::OutboxStatusArgs;
+    use crate::errors::UsageError;
+    use crate::output;
+
+    /// The database did not answer within `--connect-timeout`.
+    #[derive(Debug)]
+    struct NoAnswer(String);
+
+    impl fmt::Display for NoAnswer {
+        fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+            f.write_str(&self.0)
+        }
+    }
+    impl std::error::Error for NoAnswer {}
+
+    /// The outbox table (or its schema) does not exist in that database.
+    #[derive(Debug)]
+    struct OutboxMissing {
+        table: String,
+    }
+
+    impl fmt::Display for OutboxMissing {
+        fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+            write!(f, "the outbox table {} does not exist", self.table)
+        }
+    }
+    impl std::error::Error for OutboxMissing {}
+
+    /// `outbox status --json`.
+    #[derive(Debug, Serialize)]
+    struct StatusJson<'a> {
+        outbox: String,
+        schema: &'a str,
+        table: &'a str,
+        pending: u64,
+        oldest_age_seconds: Option<f64>,
+    }
+
+    pub(super) fn status(args: &OutboxStatusArgs, timeout: Duration) -> anyhow::Result<()> {
+        let url = args.database_url.as_deref().ok_or_else(|| {
+            UsageError(
+                "no database: give --database-url or set DATABASE_URL \
+                 (postgres://USER:PASSWORD@HOST:PORT/DATABASE)"
+                    .to_owned(),
+            )
+        })?;
+        let schema = Schema::named(&args.schema)
+            .and_then(|s| s.with_outbox_table(&args.outbox_table))
+            .map_err(|e| UsageError(format!("--schema / --outbox-table: {e}")))?;
+        let not_postgres = |why: String| {
+            UsageError(format!(
+                "--database-url / DATABASE_URL is not a PostgreSQL URL \
+                 (postgres://USER:PASSWORD@HOST:PORT/DATABASE): {why}"
+            ))
+        };
+        // sqlx reads any scheme as PostgreSQL's: a MySQL URL would be tried as one.
+        if !(url.starts_with("postgres://") || url.starts_with("postgresql://")) {
+            return Err(
+                not_postgres("it must start with postgres:// or postgresql://".to_owned()).into(),
+            );
+        }
+        let options: PgConnectOptions = url.parse().map_err(|e| not_postgres(format!("{e}")))?;
+        // One connection, one query: a runtime on this thread is enough.
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .context("cannot start the async runtime")?;
+        let found = rt.block_on(count(options, &schema, timeout))?;
+        print(&schema, found, args.json)
+    }
+
+    /// `postgres://USER@HOST:PORT/DATABASE`: where the command connects, without the password.
+    fn shown(options: &PgConnectOptions) -> String {
+        format!(
+            "postgres://{}@{}:{}/{}",
+            options.get_username(),
+            options.get_host(),
+            options.get_port(),
+            options.get_database().unwrap_or(options.get_username())
+        )
+    }
+
+    async fn count(
+        options: PgConnectOptions,
+        schema: &Schema,
+        timeout: Duration,
+    ) -> anyhow::Result<Pending> {
+        let at = shown(&options);
+        // A connection of its own first: its error says why (refused, a wrong password, no such
+        // database), where a pool retries a refused connection until its timeout and then only
+        // says that it timed out.
+        let conn = match tokio::time::timeout(timeout, options.connect()).await {
+            Ok(result) => {
+                result.with_context(|| format!("cannot connect to PostgreSQL at {at}"))?
+            }
+            Err(_) => {
+                return Err(anyhow::Error::new(NoAnswer(format!(
+                    "no answer within {}",
+                    humantime::format_duration(timeout)
+                )))
+                .context(format!("cannot connect to PostgreSQL at {at}")))
+            }
+        };
+        let _ = conn.close().await;
+        let pool = PgPoolOptions::new()
+            .max_connections(1)
+            .acquire_timeout(timeout)
+            .connect_lazy_with(options);
+        let result = pending(&pool, schema).await;
+        pool.close().await;
+        let table = format!("{}.{}", schema.name(), schema.outbox_table());
+        let context = format!("cannot read the outbox {table} at {at}");
+        match result {
+            Ok(p) => Ok(p),
+            // undefined_table: the table, or its whole schema, is missing.
+            Err(e) if sql_state(&e).as_deref() == Some("42P01") => {
+                Err(anyhow::Error::new(OutboxMissing { table }).context(context))
+            }
+            Err(e) => Err(anyhow::Error::new(e).context(context)),
+        }
+    }
+
+    /// The SQLSTATE of a database error in the outbox crate's error.
+    fn sql_state(e: &redeliver_postgres::Error) -> Option<String> {
+        match e {
+            redeliver_postgres::Error::Database(sqlx::Error::Database(db)) => {
+                db.code().map(|c| c.into_owned())
+            }
+            _ => None,
+        }
+    }
+
+    fn print(schema: &Schema, found: Pending, json: bool) -> anyhow::Result<()> {
+        let outbox = format!("{}.{}", schema.name(), schema.outbox_table());
+        if json {
+            // Millisecond resolution: the age is measured by the database's clock, at a
+            // statement's start.
+            let age = found
+                .oldest_age
+                .map(|d| (d.as_secs_f64() * 1000.0).round() / 1000.0);
+            return output::print_json(
+                &StatusJson {
+                    outbox,
+                    schema: schema.name(),
+                    table: schema.outbox_table(),
+                    pending: found.count,
+                    oldest_age_seconds: age,
+                },
+                "the outbox status",
+            );
+        }
+        match found.oldest_age {
+            Some(age) if found.count > 0 => println!(
+                "outbox {outbox}: {} pending, the oldest for {}",
+                found.count,
+                human_age(age)
+            ),
+            _ => println!("outbox {outbox}: nothing pending"),
+        }
+        Ok(())
+    }
+
+    /// Whole seconds from a second on (`1m 5s`), milliseconds below.
+    fn human_age(age: Duration) -> String {
+        let shown = if age >= Duration::from_secs(1) {
+            Duration::from_secs(age.as_secs())
+        } else {
+            Duration::from_millis(age.as_millis() as u64)
+        };
+        humantime::format_duration(shown).to_string()
+    }
+
+    const START_POSTGRES: &str = "is PostgreSQL running and listening there? Start one (`docker \
+        compose -f compose/docker-compose.yml up -d postgres`), or point --database-url / \
+        DATABASE_URL at yours";
+
+    pub(super) fn hints(err: &anyhow::Error) -> Vec<String> {
+        for cause in err.chain() {
+            if cause.is::<NoAnswer>() {
+                return vec![START_POSTGRES.to_owned()];
+            }
+            if cause.is::<OutboxMissing>() {
+                return vec![
+                    "the services create it when they start (the outbox relay and the \
+                     inbox run redeliver_postgres::Schema::prepare), or an operator applies the \
+                     SQL of the redeliver-postgres crate's migrations/; check that --schema and \
+                     --outbox-table (REDELIVER_PG_SCHEMA) name the services' tables and that \
+                     --database-url names their database"
+                        .to_owned(),
+                ];
+            }
+            let sqlx_err = cause.downcast_ref::<sqlx::Error>().or_else(|| {
+                match cause.downcast_ref::<redeliver_postgres::Error>() {
+                    Some(redeliver_postgres::Error::Database(e)) => Some(e),
+                    _ => None,
+                }
+            });
+            if let Some(e) = sqlx_err {
+                if let Some(h) = sqlx_hint(e) {
+                    return vec![h];
+                }
+            }
+        }
+        Vec::new()
+    }
+
+    fn sqlx_hint(e: &sqlx::Error) -> Option<String> {
+        match e {
+            sqlx::Error::Io(io) => {
+                use std::io::ErrorKind as Io;
+                match io.kind() {
+                    Io::ConnectionRefused
+                    | Io::TimedOut
+                    | Io::NotFound
+                    | Io::HostUnreachable
+                    | Io::NetworkUnreachable
+                    | Io::AddrNotAvailable => Some(START_POSTGRES.to_owned()),
+                    _ => None,
+                }
+            }
+            sqlx::Error::Database(db) => match db.code().as_deref() {
+                Some("28P01" | "28000") => Some(
+                    "PostgreSQL refused the login: check the user and password in \
+                     --database-url / DATABASE_URL (and the server's pg_hba.conf)"
+                        .to_owned(),
+                ),
+                Some("3D000") => Some(
+                    "the database named in --database-url / DATABASE_URL (the URL's path) \
+                     does not exist on that server"
+                        .to_owned(),
+                ),
+                Some("42501") => Some(
+                    "the user may not read the outbox table: GRANT USAGE on its schema and \
+                     SELECT on the table to it, or use the services' user"
+                        .to_owned(),
+                ),
+                Some("42703") => Some(
+                    "the outbox table lacks a column the crate uses: its definition differs \
+                     from the redeliver-postgres crate's migrations/"
+                        .to_owned(),
+                ),
+                _ => None,
+            },
+            _ => None,
+        }
+    }
+
+    #[cfg(test)]
+    mod tests {
+        use super::*;
+
+        #[test]
+        fn ages_are_whole_seconds_from_one_second_on() {
+            assert_eq!(human_age(Duration::from_millis(65_400)), "1m 5s");
+            assert_eq!(human_age(Duration::from_millis(250)), "250ms");
+        }
+
+        #[test]
+        fn the_shown_url_has_no_password() {
+            let options: PgConnectOptions = "postgres://app:s3cret@db.internal:6432/shop"
+                .parse()
+                .unwrap();
+            assert_eq!(shown(&options), "postgres://app@db.internal:6432/shop");
+        }
+    }
+}
+
+/// The password of a PostgreSQL URL (in the user info, or a `password=` parameter), as written.
+fn password_of(url: &str) -> Option<String> {
+    let rest = url.split_once("://")?.1;
+    let end = rest.find(['/', '?']).unwrap_or(rest.len());
+    let from_userinfo = rest[..end]
+        .rsplit_once('@')
+        .and_then(|(userinfo, _)| userinfo.split_once(':'))
+        .map(|(_, password)| password.to_owned());
+    let from_query = rest
+        .split_once('?')
+        .and_then(|(_, query)| query.split('&').find_map(|kv| kv.strip_prefix("password=")))
+        .map(str::to_owned);
+    from_userinfo.or(from_query).filter(|p| !p.is_empty())
+}
+
+/// `text` with every spelling of `password` (as written in the URL, and percent-decoded)
+/// replaced by `***`.
+fn scrub(text: &str, password: Option<&str>) -> String {
+    let Some(password) = password else {
+        return text.to_owned();
+    };
+    let mut out = text.replace(password, "***");
+    let decoded = percent_decode(password);
+    if !decoded.is_empty() && decoded != password {
+        out = out.replace(&decoded, "***");
+    }
+    out
+}
+
+/// `%XX` escapes decoded (invalid ones kept as they are), lossily as UTF-8.
+fn percent_decode(s: &str) -> String {
+    let bytes = s.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        let hex = |b: u8| (b as char).to_digit(16);
+        if bytes[i] == b'%' && i + 2 < bytes.len() {
+            if let (Some(h), Some(l)) = (hex(bytes[i + 1]), hex(bytes[i + 2])) {
+                out.push((h * 16 + l) as u8);
+                i += 3;
+                continue;
+            }
+        }
+        out.push(bytes[i]);
+        i += 1;
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn passwords_are_found_and_scrubbed_in_every_spelling() {
+        assert_eq!(
+            password_of("postgres://app:p%40ss@db/app").as_deref(),
+            Some("p%40ss")
+        );
+        assert_eq!(
+            password_of("postgres://db/app?user=app&password=s3cret").as_deref(),
+            Some("s3cret")
+        );
+        assert_eq!(password_of("postgres://app@db/app"), None);
+        assert_eq!(scrub("a p%40ss b p@ss c", Some("p%40ss")), "a *** b *** c");
+        assert_eq!(percent_decode("100%"), "100%");
+        assert_eq!(percent_decode("%zz%41"), "%zzA");
+    }
+}
