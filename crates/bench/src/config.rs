@@ -6,12 +6,26 @@ use clap::ValueEnum;
 
 pub const DEFAULT_URL: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
 
+/// The database of scenarios 7 and 8 (inbox, outbox): the PostgreSQL tests' default (trust
+/// authentication, database `test`, as `scripts/postgres.sh up` sets it up).
+pub const DEFAULT_DATABASE_URL: &str = "postgres://postgres@127.0.0.1:5432/test";
+
 /// Prefetch of every consumer, raw and redeliver (issue 7: prefetch 200).
 pub const PREFETCH: u16 = 200;
 
 /// Handler concurrency of the redeliver worker. Equal to the prefetch so the worker can have
 /// every unacked delivery in flight, like the raw consumer that spawns one task per retry.
 pub const CONCURRENCY: usize = 200;
+
+/// Handler concurrency of both consumers of scenario 7 (inbox), and the size of each one's sqlx
+/// pool (one connection per handler in flight, as the inbox's docs ask). Not [`CONCURRENCY`]:
+/// two pools of 200 do not fit PostgreSQL's default `max_connections` of 100, and on a small
+/// host 50 transactions in flight already keep the database busy (its commits are grouped).
+/// The prefetch stays [`PREFETCH`].
+pub const DB_CONCURRENCY: usize = 50;
+
+/// Producer rate of scenario 8's latency phase (transactions storing one outbox message each).
+pub const OUTBOX_RATE: u64 = 500;
 
 /// Publisher confirms kept in flight by the backlog publishers (DESIGN: 20-200 is the sweet spot).
 pub const CONFIRM_WINDOW: usize = 200;
@@ -47,6 +61,10 @@ pub enum Scenario {
     Scale,
     /// RSS with `prefetch` deliveries of 64 KiB bodies held in flight.
     Inflight,
+    /// A PostgreSQL INSERT per message through the inbox, against a hand-written transaction.
+    Inbox,
+    /// The outbox relay: commit-to-delivery latency and rows/s.
+    Outbox,
 }
 
 impl Scenario {
@@ -58,7 +76,14 @@ impl Scenario {
             Scenario::Park,
             Scenario::Scale,
             Scenario::Inflight,
+            Scenario::Inbox,
+            Scenario::Outbox,
         ]
+    }
+
+    /// Whether the scenario needs PostgreSQL.
+    pub fn needs_postgres(self) -> bool {
+        matches!(self, Scenario::Inbox | Scenario::Outbox)
     }
 }
 
@@ -83,6 +108,16 @@ pub struct Sizes {
     pub scale: u64,
     /// Scenario 6: 1 KB messages drained before the idle RSS is read (allocator warm-up).
     pub inflight_warmup: u64,
+    /// Scenario 7: backlog drained for msg/s, one INSERT (and for the inbox its own row) each.
+    pub inbox: u64,
+    /// Scenario 7's latency phase: messages published at `inbox_paced_rate` while consuming
+    /// (below what either side drains, so the latency is not queueing).
+    pub inbox_paced: u64,
+    pub inbox_paced_rate: u64,
+    /// Scenario 8: messages stored at [`OUTBOX_RATE`] for the commit-to-delivery latency.
+    pub outbox_latency: u64,
+    /// Scenario 8: rows committed before the relay starts, for its rows/s.
+    pub outbox_backlog: u64,
 }
 
 impl Sizes {
@@ -100,6 +135,12 @@ impl Sizes {
             parked: 50_000,
             scale: 100_000,
             inflight_warmup: 10_000,
+            inbox: 20_000,
+            inbox_paced: 2_000,
+            inbox_paced_rate: 500,
+            // 6 s at 500/s.
+            outbox_latency: 3_000,
+            outbox_backlog: 20_000,
         }
     }
 
@@ -115,6 +156,11 @@ impl Sizes {
             parked: 2_000,
             scale: 5_000,
             inflight_warmup: 1_000,
+            inbox: 1_000,
+            inbox_paced: 200,
+            inbox_paced_rate: 500,
+            outbox_latency: 500,
+            outbox_backlog: 1_000,
         }
     }
 }

@@ -9,6 +9,7 @@ mod broker;
 mod child;
 mod config;
 mod payload;
+mod pg;
 mod proc_ctl;
 mod publish;
 mod report;
@@ -18,19 +19,21 @@ mod stats;
 use anyhow::Result;
 use clap::{Parser, Subcommand};
 
-use crate::config::{Scenario, DEFAULT_URL};
+use crate::config::{Scenario, DEFAULT_DATABASE_URL, DEFAULT_URL};
 
 #[derive(Parser, Debug)]
 #[command(
     name = "redeliver-bench",
-    about = "redeliver vs a raw lapin consumer: throughput, latency, delay accuracy, memory"
+    about = "redeliver vs a raw lapin consumer: throughput, latency, delay accuracy, memory, inbox and outbox"
 )]
 struct Cli {
-    /// Small sizes (5,000 messages, 2 rounds, 200 delay probes over 0-1 s, 2,000 parked) that
-    /// prove the benchmark works in a couple of minutes; the numbers are not meaningful.
+    /// Small sizes (5,000 messages, 2 rounds, 200 delay probes over 0-1 s, 2,000 parked, 1,000
+    /// inbox messages and outbox rows) that prove the benchmark works in a couple of minutes;
+    /// the numbers are not meaningful.
     #[arg(long)]
     short: bool,
-    /// Interleaved rounds per side of the throughput scenarios (happy, retry, scale)
+    /// Interleaved rounds per side of the throughput scenarios (happy, retry, scale, inbox;
+    /// outbox runs once per round)
     /// [default: 5; 2 with --short]. Fewer than 3 never give a conclusive ratio.
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
     rounds: Option<u32>,
@@ -58,6 +61,17 @@ struct Cli {
         hide_default_value = true
     )]
     management_url: String,
+    /// PostgreSQL of the inbox and outbox scenarios (only used when they run): the run creates
+    /// a schema of its own in it and drops it at the end [default:
+    /// postgres://postgres@127.0.0.1:5432/test, trust authentication].
+    #[arg(
+        long,
+        env = "DATABASE_URL",
+        default_value = DEFAULT_DATABASE_URL,
+        hide_env_values = true,
+        hide_default_value = true
+    )]
+    database_url: String,
     /// Run only these scenarios (comma separated).
     #[arg(long, value_enum, value_delimiter = ',')]
     only: Vec<Scenario>,
@@ -81,7 +95,7 @@ fn main() -> Result<()> {
         .enable_all()
         .build()?;
     match cli.command {
-        Some(Command::Child(args)) => rt.block_on(child::main(cli.url, args)),
+        Some(Command::Child(args)) => rt.block_on(child::main(cli.url, cli.database_url, args)),
         None => {
             let mut sizes = if cli.short {
                 config::Sizes::short()
@@ -99,6 +113,7 @@ fn main() -> Result<()> {
             let opts = scenarios::RunOptions {
                 url: cli.url,
                 management_url: cli.management_url,
+                database_url: cli.database_url,
                 sizes,
                 short: cli.short,
                 only,

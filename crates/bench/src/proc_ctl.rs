@@ -37,6 +37,16 @@ pub struct ChildProc {
 impl ChildProc {
     /// Starts a consumer process and waits for it to be connected (not consuming yet).
     pub async fn spawn(url: &str, args: &ChildArgs) -> Result<Self> {
+        Self::spawn_with_db(url, None, args).await
+    }
+
+    /// [`Self::spawn`] with the database of scenario 7, passed in the environment like the
+    /// broker's URL (both may carry a password: not in the command line).
+    pub async fn spawn_with_db(
+        url: &str,
+        database_url: Option<&str>,
+        args: &ChildArgs,
+    ) -> Result<Self> {
         let exe = std::env::current_exe().context("locating the bench binary")?;
         let label = format!("{} consumer on '{}'", args.side.name(), args.queue_name());
         let mut command = match wrapper() {
@@ -47,9 +57,11 @@ impl ChildProc {
             }
             None => Command::new(exe),
         };
+        command.args(args.to_args()).env("AMQP_URL", url);
+        if let Some(db) = database_url {
+            command.env("DATABASE_URL", db);
+        }
         let mut child = command
-            .args(args.to_args())
-            .env("AMQP_URL", url)
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())

@@ -26,6 +26,9 @@ pub struct ThroughputRow {
     pub cpu_us_per_msg: f64,
     /// The broker node's CPU per message during the drain, microseconds (None: not readable).
     pub broker_cpu_us_per_msg: Option<f64>,
+    /// The database's processes' CPU per message during the drain, microseconds (scenario 7;
+    /// None elsewhere or when the database is not on this host).
+    pub db_cpu_us_per_msg: Option<f64>,
 }
 
 pub struct DelayRow {
@@ -95,6 +98,26 @@ impl InflightRow {
     pub fn per_delivery_kib(&self) -> f64 {
         self.growth_mib() * 1024.0 / self.held.max(1) as f64
     }
+}
+
+/// One round of scenario 8 (outbox): the latency phase and the relay's drain of a backlog.
+pub struct OutboxRow {
+    pub round: u32,
+    /// Messages stored (one per transaction) at `rate` per second in the latency phase.
+    pub latency_messages: u64,
+    pub rate: u64,
+    /// Just after the producer's COMMIT returned -> delivered to the consumer.
+    pub p50_ms: f64,
+    pub p99_ms: f64,
+    pub max_ms: f64,
+    /// Rows committed before the relay started, and the time it took to empty the table.
+    pub backlog: u64,
+    pub drain_secs: f64,
+    pub rows_per_s: f64,
+    /// The bench process (the relay and the probe of the table), per row.
+    pub relay_cpu_us_per_row: f64,
+    pub db_cpu_us_per_row: Option<f64>,
+    pub broker_cpu_us_per_row: Option<f64>,
 }
 
 /// Median and min-max of per-round values (ratios of a round pair).
@@ -212,6 +235,7 @@ pub struct Report {
     pub park: Vec<ParkRow>,
     pub scale: Vec<ScaleRow>,
     pub inflight: Vec<InflightRow>,
+    pub outbox: Vec<OutboxRow>,
     pub targets: Vec<Target>,
     pub errors: Vec<String>,
 }
@@ -311,6 +335,10 @@ impl Report {
             self.render_throughput(&mut s);
             self.render_ratios(&mut s);
             self.render_retry_split(&mut s);
+            self.render_inbox_split(&mut s);
+        }
+        if !self.outbox.is_empty() {
+            self.render_outbox(&mut s);
         }
         if !self.scale.is_empty() {
             self.render_scale(&mut s);
@@ -396,7 +424,7 @@ impl Report {
     fn render_throughput(&self, s: &mut String) {
         let _ = writeln!(
             s,
-            "\n#### Throughput and latency (scenarios 1 and 2): each side's median over its rounds\n"
+            "\n#### Throughput and latency (scenarios 1, 2 and 7): each side's median over its rounds\n"
         );
         let _ = writeln!(
             s,
@@ -522,6 +550,115 @@ impl Report {
         }
     }
 
+    fn render_inbox_split(&self, s: &mut String) {
+        let groups: Vec<_> = self
+            .groups()
+            .into_iter()
+            .filter(|(sc, _, _)| sc == "inbox")
+            .collect();
+        if groups.is_empty() {
+            return;
+        }
+        let _ = writeln!(
+            s,
+            "\n#### Exactly-once effects (scenario 7): where the CPU goes, per message (medians)\n"
+        );
+        let _ = writeln!(
+            s,
+            "| scenario | side | rounds | msg/s | consumer CPU us | PostgreSQL CPU us | broker CPU us | p50 latency ms | p99 latency ms |"
+        );
+        let _ = writeln!(s, "|---|---|---:|---:|---:|---:|---:|---:|---:|");
+        for (scenario, queue, side) in groups {
+            let rows: Vec<&ThroughputRow> = self.rows(&scenario, queue, side).collect();
+            let pick =
+                |f: fn(&ThroughputRow) -> f64| -> Vec<f64> { rows.iter().map(|r| f(r)).collect() };
+            let _ = writeln!(
+                s,
+                "| {scenario} | {} | {} | {} | {:.1} | {} | {} | {:.1} | {:.1} |",
+                side.name(),
+                rows.len(),
+                rate(median(&pick(|r| r.consume_per_s))),
+                median(&pick(|r| r.cpu_us_per_msg)),
+                opt1(median_opt(rows.iter().copied(), |r| r.db_cpu_us_per_msg)),
+                opt1(median_opt(rows.iter().copied(), |r| r.broker_cpu_us_per_msg)),
+                median(&pick(|r| r.p50_ms)),
+                median(&pick(|r| r.p99_ms)),
+            );
+        }
+    }
+
+    fn render_outbox(&self, s: &mut String) {
+        let _ = writeln!(
+            s,
+            "\n#### Outbox relay (scenario 8): commit to delivery, and rows/s over a backlog\n"
+        );
+        let _ = writeln!(
+            s,
+            "Latency: one message per transaction stored with `Outbox::store` at a fixed rate, one \
+`Relay` (LISTEN/NOTIFY, default batch size) publishing, a plain auto-ack consumer on the \
+destination queue; measured from just after the producer's `COMMIT` returned to the delivery \
+reaching that consumer (**commit to delivery**: it bounds commit to confirmed publish from above). \
+Throughput: the backlog committed with no relay running, then one relay started; rows/s = rows / \
+(start of the relay -> table empty; a row is deleted only after the broker confirmed it). CPU per \
+row over that drain: the bench process (the relay, in process), all PostgreSQL processes, the \
+broker node.\n"
+        );
+        let _ = writeln!(
+            s,
+            "| round | messages at rate/s | p50 commit -> delivery ms | p99 ms | max ms | relay backlog rows | drain s | relay rows/s | relay process CPU us/row | PostgreSQL CPU us/row | broker CPU us/row |"
+        );
+        let _ = writeln!(s, "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+        for r in &self.outbox {
+            let _ = writeln!(
+                s,
+                "| {} | {} at {}/s | {:.1} | {:.1} | {:.1} | {} | {:.2} | {} | {:.1} | {} | {} |",
+                r.round + 1,
+                r.latency_messages,
+                r.rate,
+                r.p50_ms,
+                r.p99_ms,
+                r.max_ms,
+                r.backlog,
+                r.drain_secs,
+                rate(r.rows_per_s),
+                r.relay_cpu_us_per_row,
+                opt1(r.db_cpu_us_per_row),
+                opt1(r.broker_cpu_us_per_row),
+            );
+        }
+        let col = |f: fn(&OutboxRow) -> f64| -> Vec<f64> { self.outbox.iter().map(f).collect() };
+        let opt_col = |f: fn(&OutboxRow) -> Option<f64>| -> Option<f64> {
+            let v: Option<Vec<f64>> = self.outbox.iter().map(f).collect();
+            v.map(|v| median(&v))
+        };
+        let rows_s = col(|r| r.rows_per_s);
+        let (lo, hi) = min_max(&rows_s);
+        let (p99_lo, p99_hi) = min_max(&col(|r| r.p99_ms));
+        let Some(first) = self.outbox.first() else {
+            return;
+        };
+        let _ = writeln!(
+            s,
+            "| **median of {}** | {} at {}/s | **{:.1}** | **{:.1}** (min-max {:.1}-{:.1}) | {:.1} | {} | {:.2} | **{}** (min-max {}-{}) | {:.1} | {} | {} |",
+            self.outbox.len(),
+            first.latency_messages,
+            first.rate,
+            median(&col(|r| r.p50_ms)),
+            median(&col(|r| r.p99_ms)),
+            p99_lo,
+            p99_hi,
+            median(&col(|r| r.max_ms)),
+            first.backlog,
+            median(&col(|r| r.drain_secs)),
+            rate(median(&rows_s)),
+            rate(lo),
+            rate(hi),
+            median(&col(|r| r.relay_cpu_us_per_row)),
+            opt1(opt_col(|r| r.db_cpu_us_per_row)),
+            opt1(opt_col(|r| r.broker_cpu_us_per_row)),
+        );
+    }
+
     fn render_scale(&self, s: &mut String) {
         let _ = writeln!(
             s,
@@ -627,7 +764,56 @@ mod tests {
             rss_delta_mib: 1.0,
             cpu_us_per_msg: cpu,
             broker_cpu_us_per_msg: None,
+            db_cpu_us_per_msg: None,
         }
+    }
+
+    #[test]
+    fn inbox_and_outbox_tables() {
+        let mut r = Report::default();
+        for round in 0..3 {
+            let mut raw = row(Side::Raw, round, 1000.0, 100.0);
+            raw.scenario = "inbox".into();
+            raw.db_cpu_us_per_msg = Some(200.0);
+            let mut rd = row(Side::Redeliver, round, 850.0, 110.0);
+            rd.scenario = "inbox".into();
+            r.throughput.push(raw);
+            r.throughput.push(rd);
+            r.outbox.push(OutboxRow {
+                round,
+                latency_messages: 3000,
+                rate: 500,
+                p50_ms: 4.0 + f64::from(round),
+                p99_ms: 9.0,
+                max_ms: 20.0,
+                backlog: 20_000,
+                drain_secs: 5.0,
+                rows_per_s: 4000.0,
+                relay_cpu_us_per_row: 30.0,
+                db_cpu_us_per_row: None,
+                broker_cpu_us_per_row: Some(50.0),
+            });
+        }
+        let text = r.render("### test");
+        assert!(
+            text.contains("| inbox | quorum | raw | 3 | **0.85x** |"),
+            "{text}"
+        );
+        // The redeliver side has no database figure: the median is n/a, not a guess.
+        assert!(
+            text.contains("| inbox | raw lapin | 3 | 1000 | 100.0 | 200.0 | n/a |"),
+            "{text}"
+        );
+        assert!(
+            text.contains("| inbox | redeliver | 3 | 850 | 110.0 | n/a |"),
+            "{text}"
+        );
+        assert!(
+            text.contains(
+                "| **median of 3** | 3000 at 500/s | **5.0** | **9.0** (min-max 9.0-9.0) |"
+            ),
+            "{text}"
+        );
     }
 
     #[test]

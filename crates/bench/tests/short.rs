@@ -1,6 +1,7 @@
-//! Runs the benchmark binary in `--short` mode against the local broker (AMQP_URL) and checks
-//! that it completes and prints every table. No timing assertions: CI machines vary; this only
-//! proves the benchmark still works. Needs a running RabbitMQ (`rabbitmq-server -detached`).
+//! Runs the benchmark binary in `--short` mode against the local broker (AMQP_URL) and the local
+//! PostgreSQL (DATABASE_URL) and checks that it completes and prints every table. No timing
+//! assertions: CI machines vary; this only proves the benchmark still works. Needs a running
+//! RabbitMQ (`rabbitmq-server -detached`) and PostgreSQL (`bash scripts/postgres.sh up`).
 
 use std::process::Command;
 
@@ -15,7 +16,8 @@ fn short_mode_completes_and_prints_the_tables() {
     assert!(
         out.status.success(),
         "redeliver-bench --short failed ({}).\nIf it cannot reach the broker, start one with \
-         `rabbitmq-server -detached` (or set AMQP_URL).\nstdout:\n{stdout}\nstderr:\n{stderr}",
+         `rabbitmq-server -detached` (or set AMQP_URL); if it cannot reach PostgreSQL, \
+         `bash scripts/postgres.sh up` (or set DATABASE_URL).\nstdout:\n{stdout}\nstderr:\n{stderr}",
         out.status
     );
     for needle in [
@@ -32,7 +34,14 @@ fn short_mode_completes_and_prints_the_tables() {
         "#### Memory with the prefetch in flight (scenario 6)",
         "#### Delay accuracy",
         "#### Memory under waiting retries",
+        "| inbox | quorum | raw lapin | 2 |",
+        "| inbox | quorum | redeliver | 2 |",
+        "| inbox | quorum | raw | 2 |",
+        "#### Exactly-once effects (scenario 7)",
+        "#### Outbox relay (scenario 8)",
+        "| **median of 2** |",
         "#### Targets",
+        "| inbox (an INSERT per message, exactly once): msg/s |",
         "| conclusive |",
     ] {
         assert!(
@@ -40,6 +49,24 @@ fn short_mode_completes_and_prints_the_tables() {
             "missing {needle:?} in the report:\n{stdout}\nstderr:\n{stderr}"
         );
     }
+}
+
+#[test]
+fn unreachable_database_fails_at_once_with_instructions() {
+    let out = Command::new(env!("CARGO_BIN_EXE_redeliver-bench"))
+        .args(["--short", "--only", "happy,inbox"])
+        .env("DATABASE_URL", "postgres://postgres@127.0.0.1:1/test")
+        .output()
+        .expect("running redeliver-bench");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        stderr.contains("cannot connect to PostgreSQL")
+            && stderr.contains("scripts/postgres.sh up"),
+        "no hint on how to start PostgreSQL:\n{stderr}"
+    );
+    // Before any scenario ran.
+    assert!(!stderr.contains("== scenario"), "{stderr}");
 }
 
 #[test]

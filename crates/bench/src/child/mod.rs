@@ -14,6 +14,7 @@
 
 mod probe;
 mod raw;
+mod raw_pg;
 mod rd;
 
 use std::sync::Arc;
@@ -105,6 +106,11 @@ pub struct ChildArgs {
     /// the map grows with the message count, which would distort scenario 4's RSS).
     #[arg(long)]
     pub track_delay: bool,
+    /// Scenario 7: every message is an INSERT into this schema's effects table, in a
+    /// transaction of its own (raw) or through the inbox (redeliver); DATABASE_URL names the
+    /// database.
+    #[arg(long)]
+    pub pg_schema: Option<String>,
 }
 
 impl ChildArgs {
@@ -129,6 +135,10 @@ impl ChildArgs {
         if self.track_delay {
             v.push("--track-delay".into());
         }
+        if let Some(schema) = &self.pg_schema {
+            v.push("--pg-schema".into());
+            v.push(schema.clone());
+        }
         v
     }
 
@@ -142,6 +152,14 @@ fn enum_name<T: ValueEnum>(v: T) -> String {
     v.to_possible_value()
         .map(|p| p.get_name().to_string())
         .unwrap_or_default()
+}
+
+/// Scenario 7's database side of a child, set up before `@@READY`.
+enum PgSetup {
+    /// The hand-written consumer's pool and the schema of the effects table.
+    Raw(sqlx::PgPool, String),
+    /// The worker's inbox (its pool inside), its tables checked.
+    Inbox(redeliver_postgres::Inbox),
 }
 
 #[derive(Serialize, Deserialize, Debug, Clone, Copy)]
@@ -175,7 +193,7 @@ fn say_stat(probe: &Probe) -> Result<()> {
     Ok(())
 }
 
-pub async fn main(url: String, args: ChildArgs) -> Result<()> {
+pub async fn main(url: String, database_url: String, args: ChildArgs) -> Result<()> {
     let probe = Arc::new(Probe::new(args.track_delay));
     let cancel = CancellationToken::new();
     // The raw side connects here; the redeliver worker opens its own connection (it owns its
@@ -187,6 +205,23 @@ pub async fn main(url: String, args: ChildArgs) -> Result<()> {
     let conn = match args.side {
         Side::Raw | Side::RawBatch => Some(broker::connect(&url).await?),
         Side::Redeliver => None,
+    };
+    // Scenario 7: both sides open their whole pool here, before the parent reads the database's
+    // CPU time and starts the clock (the backends' start-up is not the work being compared).
+    let pg = match &args.pg_schema {
+        Some(schema) => Some(
+            crate::pg::pool(&database_url, args.concurrency)
+                .await
+                .map(|pool| (pool, schema.clone()))?,
+        ),
+        None => None,
+    };
+    let mut pg = match (pg, args.side) {
+        (Some((pool, schema)), Side::Redeliver) => {
+            Some(PgSetup::Inbox(rd::inbox(pool, &schema, &args).await?))
+        }
+        (Some((pool, schema)), _) => Some(PgSetup::Raw(pool, schema)),
+        (None, _) => None,
     };
     say(&format!(
         "@@READY {}",
@@ -220,11 +255,28 @@ pub async fn main(url: String, args: ChildArgs) -> Result<()> {
                     let handle = match args.side {
                         Side::Raw | Side::RawBatch => {
                             let c = conn.take().context("raw connection")?;
-                            raw::start(c, &args, probe.clone(), cancel.clone()).await?
+                            match pg.take() {
+                                Some(PgSetup::Raw(pool, schema)) => {
+                                    raw_pg::start(
+                                        c,
+                                        &args,
+                                        pool,
+                                        &schema,
+                                        probe.clone(),
+                                        cancel.clone(),
+                                    )
+                                    .await?
+                                }
+                                _ => raw::start(c, &args, probe.clone(), cancel.clone()).await?,
+                            }
                         }
-                        Side::Redeliver => {
-                            rd::start(&url, &args, probe.clone(), cancel.clone()).await?
-                        }
+                        Side::Redeliver => match pg.take() {
+                            Some(PgSetup::Inbox(inbox)) => {
+                                rd::start_inbox(&url, &args, inbox, probe.clone(), cancel.clone())
+                                    .await?
+                            }
+                            _ => rd::start(&url, &args, probe.clone(), cancel.clone()).await?,
+                        },
                     };
                     consumer = Some(handle);
                 }

@@ -56,6 +56,7 @@ async fn one(ctx: &Ctx, queue: QueueKind, side: Side, round: u32) -> Result<Thro
             rss_delta_mib: mib(lat.hwm_kb.saturating_sub(lat.baseline_rss_kb)),
             cpu_us_per_msg: drain.cpu_us_per_msg(n),
             broker_cpu_us_per_msg: drain.broker_us_per_msg(n),
+            db_cpu_us_per_msg: None,
         })
     }
     .await;

@@ -1,8 +1,10 @@
-//! The run: shared context, the four scenarios in turn, targets, report and cleanup.
+//! The run: shared context, the scenarios in turn, targets, report and cleanup.
 
 mod delay;
 mod happy;
+mod inbox;
 mod inflight;
+mod outbox;
 mod park;
 mod retry;
 mod scale;
@@ -12,15 +14,18 @@ use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use anyhow::{bail, Context, Result};
+use anyhow::{anyhow, bail, Context, Result};
 use lapin::Connection;
 use redeliver_amqp::DelayConfig;
 use redeliver_amqp::Topology;
 
 use crate::broker;
 use crate::child::{self, ChildArgs, QueueKind, RunReport, Side};
-use crate::config::{Scenario, Sizes, CONCURRENCY, MIN_ROUNDS_TO_CONCLUDE, PREFETCH, SPREAD_LIMIT};
+use crate::config::{
+    Scenario, Sizes, CONCURRENCY, DB_CONCURRENCY, MIN_ROUNDS_TO_CONCLUDE, PREFETCH, SPREAD_LIMIT,
+};
 use crate::payload;
+use crate::pg::PgCtx;
 use crate::proc_ctl::ChildProc;
 use crate::publish::BenchPublisher;
 use crate::report::{Report, Target, ThroughputRow};
@@ -29,6 +34,8 @@ use crate::stats;
 pub struct RunOptions {
     pub url: String,
     pub management_url: String,
+    /// PostgreSQL of scenarios 7 and 8 (connected only when one of them is selected).
+    pub database_url: String,
     pub sizes: Sizes,
     pub short: bool,
     pub only: Vec<Scenario>,
@@ -51,6 +58,8 @@ pub struct Ctx {
     pad: Arc<str>,
     seq: Arc<AtomicU64>,
     declared: Mutex<Vec<Topology>>,
+    /// The database and the run's schema, when scenario 7 or 8 is selected.
+    pg: Option<PgCtx>,
 }
 
 impl Ctx {
@@ -128,6 +137,28 @@ impl Ctx {
         self.broker_pid.and_then(stats::cpu_us_of)
     }
 
+    /// The database of scenarios 7 and 8 (connected at the start of a run that selects them).
+    pub fn pg(&self) -> Result<&PgCtx> {
+        self.pg
+            .as_ref()
+            .ok_or_else(|| anyhow!("PostgreSQL was not set up for this run"))
+    }
+
+    /// [`Self::drain`], also reading the CPU time of the database's processes (scenario 7).
+    pub async fn drain_with_db(
+        &self,
+        child: &mut ChildProc,
+        kind: &str,
+        n: u64,
+        timeout: Duration,
+    ) -> Result<Drain> {
+        let pg = self.pg()?;
+        let d0 = pg.cpu_us();
+        let mut drain = self.drain(child, kind, n, timeout).await?;
+        drain.db_us = d0.zip(pg.cpu_us()).map(|(a, b)| b.saturating_sub(a));
+        Ok(drain)
+    }
+
     /// One timed drain: `RUN kind n` on the child, with the broker's CPU time read before the
     /// RUN and after its DONE.
     pub async fn drain(
@@ -142,7 +173,11 @@ impl Ctx {
         let broker_us = b0
             .zip(self.broker_cpu_us())
             .map(|(a, b)| b.saturating_sub(a));
-        Ok(Drain { report, broker_us })
+        Ok(Drain {
+            report,
+            broker_us,
+            db_us: None,
+        })
     }
 
     pub fn child_args(
@@ -161,6 +196,7 @@ impl Ctx {
             prefetch: PREFETCH,
             concurrency: CONCURRENCY,
             track_delay: false,
+            pg_schema: None,
         }
     }
 
@@ -174,6 +210,8 @@ impl Ctx {
 pub struct Drain {
     pub report: RunReport,
     pub broker_us: Option<u64>,
+    /// The database's processes over it (scenario 7 only).
+    pub db_us: Option<u64>,
 }
 
 impl Drain {
@@ -185,6 +223,9 @@ impl Drain {
     }
     pub fn broker_us_per_msg(&self, n: u64) -> Option<f64> {
         self.broker_us.map(|b| b as f64 / n.max(1) as f64)
+    }
+    pub fn db_us_per_msg(&self, n: u64) -> Option<f64> {
+        self.db_us.map(|b| b as f64 / n.max(1) as f64)
     }
 }
 
@@ -265,8 +306,13 @@ fn legend(rounds: u32) -> String {
 (`delivery.ack(..).await`, as lapin's examples do); **rawb** = the same with `multiple = true` acks \
 every 20 messages (10 % of the prefetch) and on idle; **redeliver** = `Worker` + `Publisher`. \
 Every side's messages carry the same properties (`Publisher`'s `message_id` and `timestamp`: the \
-raw side's publisher sets them too).\n\n\
-Method: scenarios 1, 2 and 5 run {rounds} interleaved round(s) per side (A B C, then C B A, ...). \
+raw side's publisher sets them too). In the inbox scenario (7), **raw** = a hand-written lapin \
+consumer doing `BEGIN`, one `INSERT`, `COMMIT`, then `basic.ack` per message, and **redeliver** = the \
+same `INSERT` in a handler behind `Inbox` (which first inserts its own row with `ON CONFLICT DO \
+NOTHING` in the same transaction), both with {DB_CONCURRENCY} handlers in flight and a sqlx pool of \
+as many connections (prefetch {PREFETCH}).\n\n\
+Method: scenarios 1, 2, 5 and 7 run {rounds} interleaved round(s) per side (A B C, then C B A, ...); \
+scenario 8 (outbox) runs once per round. \
 consume msg/s = drain rate of a pre-published backlog, from the first delivery handled to the last \
 (retry: completed round trips); each side's figures are the median over its rounds, with min-max. \
 The ratios pair the two sides of the same round (redeliver / raw of round 1, of round 2, ...) and \
@@ -284,6 +330,12 @@ at a fixed rate. RSS is the consumer process's own (RSS delta = peak minus befor
 pub async fn run_all(opts: RunOptions) -> Result<()> {
     let conn = broker::connect(&opts.url).await?;
     let prefix = broker::run_prefix();
+    // Before any scenario runs: a missing database fails the run now, not after the others.
+    let pg = if opts.only.iter().any(|s| s.needs_postgres()) {
+        Some(PgCtx::new(&opts.database_url, &prefix).await?)
+    } else {
+        None
+    };
     let delay_quorum = child::delay_config(&prefix, QueueKind::Quorum);
     let delay_classic = child::delay_config(&prefix, QueueKind::Classic);
     let broker_pid = match opts.broker_pid {
@@ -307,6 +359,7 @@ pub async fn run_all(opts: RunOptions) -> Result<()> {
         pad: payload::padding().into(),
         seq: Arc::new(AtomicU64::new(0)),
         declared: Mutex::new(Vec::new()),
+        pg,
     };
     eprintln!(
         "redeliver-bench{}: prefix '{prefix}', broker {} (OS pid {}), {} round(s)",
@@ -344,6 +397,13 @@ pub async fn run_all(opts: RunOptions) -> Result<()> {
         if let Err(e) = ctx.delay(levels).delete(&ctx.conn).await {
             eprintln!("warning: deleting the {} delay levels: {e}", levels.name());
         }
+    }
+    if let Some(pg) = &ctx.pg {
+        eprintln!("dropping PostgreSQL schema '{}'", pg.schema.name());
+        if let Err(e) = pg.drop_schema().await {
+            eprintln!("warning: {e:#}");
+        }
+        pg.pool.close().await;
     }
     match broker::management_sweep(&opts.management_url, &prefix) {
         Ok(left) if !left.is_empty() => eprintln!("swept leftovers: {}", left.join(", ")),
@@ -406,6 +466,8 @@ async fn run_scenarios(ctx: &Ctx, only: &[Scenario], report: &mut Report) -> Res
             Scenario::Park => park::run(ctx, report).await,
             Scenario::Scale => scale::run(ctx, report).await,
             Scenario::Inflight => inflight::run(ctx, report).await,
+            Scenario::Inbox => inbox::run(ctx, report).await,
+            Scenario::Outbox => outbox::run(ctx, report).await,
         };
         if let Err(e) = r {
             eprintln!("scenario {s:?} failed: {e:#}");
@@ -447,6 +509,15 @@ fn add_targets(report: &mut Report) {
                 true,
             ));
         }
+    }
+    if let Some(c) = report.comparison(inbox::LABEL, QueueKind::Quorum, Side::Raw) {
+        targets.push(Target::from_ratio(
+            "inbox (an INSERT per message, exactly once): msg/s".into(),
+            "redeliver Inbox / hand-written transaction + ack >= 0.8 (median of per-round ratios)",
+            &c.msg_ratio,
+            0.8,
+            true,
+        ));
     }
     for d in report.delay.iter().filter(|d| d.side == Side::Redeliver) {
         targets.push(Target {
@@ -496,8 +567,16 @@ fn machine_line(ctx: &Ctx) -> String {
                 .and_then(|n| n.parse::<u64>().ok())
         })
         .unwrap_or(0);
+    let database = match &ctx.pg {
+        Some(pg) if pg.local => format!("; PostgreSQL {} on the same host", pg.version),
+        Some(pg) => format!(
+            "; PostgreSQL {} on another host (database CPU n/a)",
+            pg.version
+        ),
+        None => String::new(),
+    };
     format!(
-        "Machine: {cpus} CPUs, {:.1} GiB RAM; RabbitMQ {}{}; prefetch {PREFETCH} per consumer, worker concurrency {CONCURRENCY}, ~1 KB persistent JSON messages.",
+        "Machine: {cpus} CPUs, {:.1} GiB RAM; RabbitMQ {}{}{database}; prefetch {PREFETCH} per consumer, worker concurrency {CONCURRENCY}, ~1 KB persistent JSON messages.",
         mem_kb as f64 / 1024.0 / 1024.0,
         ctx.broker_version,
         if ctx.broker_pid.is_some() {
