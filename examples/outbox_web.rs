@@ -45,7 +45,7 @@ use axum::routing::{get, post};
 use axum::Router;
 use redeliver::lapin::ConnectionProperties;
 use redeliver::postgres::{Outbox, OutboxMessage, Relay, Schema};
-use redeliver::worker::env::{LogFormat, ServiceConfig};
+use redeliver::worker::env::{LogFormat, ServiceSettings};
 use redeliver::{CancellationToken, Publisher, Settings, Topology, WorkerBuilder};
 use serde::{Deserialize, Serialize};
 use serde_json::json;
@@ -409,7 +409,7 @@ fn cancel_on_signal(token: CancellationToken) -> anyhow::Result<()> {
 }
 
 async fn run() -> anyhow::Result<()> {
-    let service = ServiceConfig::from_env()?;
+    let service = ServiceSettings::from_env()?;
     init_logging(&service)?;
     let cfg = Config::from_env()?;
 
@@ -536,7 +536,7 @@ fn redact_database_url(url: &str) -> String {
 }
 
 /// Logs to stderr, as JSON when `REDELIVER_LOG_FORMAT=json`, filtered by `RUST_LOG`.
-fn init_logging(cfg: &ServiceConfig) -> anyhow::Result<()> {
+fn init_logging(cfg: &ServiceSettings) -> anyhow::Result<()> {
     // Without RUST_LOG: our info lines, but not lapin's and sqlx's chatter.
     let directives = match std::env::var_os("RUST_LOG") {
         Some(_) => cfg.log_filter.clone(),
