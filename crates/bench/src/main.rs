@@ -62,8 +62,8 @@ struct Cli {
     )]
     management_url: String,
     /// PostgreSQL of the inbox and outbox scenarios (only used when they run): the run creates
-    /// a schema of its own in it and drops it at the end [default:
-    /// postgres://postgres@127.0.0.1:5432/test, trust authentication].
+    /// a schema of its own in it and drops it at the end (default:
+    /// `postgres://postgres@127.0.0.1:5432/test`, trust authentication).
     #[arg(
         long,
         env = "DATABASE_URL",
