@@ -18,61 +18,9 @@ use redeliver::postgres::{pending, Schema};
 use redeliver_testkit::process::LoggedChild;
 use redeliver_testkit::{amqp_url, connect, drain, queue_depth, unique_id, unique_prefix, Cleanup};
 use serde_json::Value;
-use sqlx::postgres::PgPoolOptions;
-use sqlx::{Connection, PgConnection, PgPool, Row};
+use sqlx::Row;
 
-const DEFAULT_DATABASE_URL: &str = "postgres://postgres@127.0.0.1:5432/test";
-
-fn database_url() -> String {
-    std::env::var("DATABASE_URL").unwrap_or_else(|_| DEFAULT_DATABASE_URL.to_owned())
-}
-
-/// A pool on the test database; fails the test, saying what to start, when there is none.
-async fn pool() -> PgPool {
-    let url = database_url();
-    match PgPoolOptions::new()
-        .max_connections(2)
-        .acquire_timeout(Duration::from_secs(10))
-        .connect(&url)
-        .await
-    {
-        Ok(p) => p,
-        Err(e) => panic!(
-            "cannot connect to PostgreSQL at DATABASE_URL ({}): {e}\nstart PostgreSQL with \
-             `pg_ctlcluster --skip-systemctl-redirect $(ls /etc/postgresql) main start` (trust \
-             auth, database `test`: `createdb -h 127.0.0.1 -U postgres test`), or point \
-             DATABASE_URL at one",
-            url.split('@').next_back().unwrap_or("?")
-        ),
-    }
-}
-
-/// Drops the schema with everything in it when dropped, also while a failed test unwinds.
-struct DropSchema(String);
-
-impl Drop for DropSchema {
-    fn drop(&mut self) {
-        let name = self.0.clone();
-        // A connection of its own on a thread of its own: a drop cannot await.
-        let dropped = std::thread::spawn(move || {
-            let rt = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .expect("runtime");
-            rt.block_on(async move {
-                let mut conn = PgConnection::connect(&database_url()).await?;
-                sqlx::query(&format!("DROP SCHEMA IF EXISTS \"{name}\" CASCADE"))
-                    .execute(&mut conn)
-                    .await?;
-                conn.close().await
-            })
-        })
-        .join();
-        if !matches!(dropped, Ok(Ok(()))) {
-            eprintln!("could not drop schema {}: {dropped:?}", self.0);
-        }
-    }
-}
+use redeliver_testkit::postgres::{database_url, pool, SchemaGuard as DropSchema};
 
 /// A port nothing listens on: bound, then released.
 fn free_port() -> u16 {
@@ -206,7 +154,7 @@ async fn wait_ready_messages(conn: &lapin::Connection, queue: &str, n: u32, serv
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn accepted_images_are_rows_and_one_message_each_refused_ones_leave_nothing() {
     // Both services first: a missing one fails here, with what to start.
-    let pool = pool().await;
+    let pool = pool(2).await;
     let conn = connect().await;
     let mut service = Service::start(&amqp_url()).await;
     let (addr, prefix, schema) = (service.addr, service.prefix.clone(), service.schema.clone());
@@ -354,7 +302,7 @@ fn broker_addr() -> String {
 /// backoff) publishes it with the message id stored in its row.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn requests_are_accepted_while_the_broker_is_away_and_published_once_it_is_back() {
-    let pool = pool().await;
+    let pool = pool(2).await;
     let conn = connect().await;
     let outage_port = free_port();
     let broker = amqp_url();

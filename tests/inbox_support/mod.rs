@@ -5,41 +5,12 @@
 
 use std::collections::{BTreeMap, HashSet};
 use std::path::PathBuf;
-use std::time::Duration;
 
 use redeliver::postgres::Schema;
 use redeliver_testkit::reliability::{Scenario, WorkerCmd};
-use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
-use sqlx::{Connection, PgConnection, PgPool};
+use sqlx::PgPool;
 
-pub const DEFAULT_DATABASE_URL: &str = "postgres://postgres@127.0.0.1:5432/test";
-
-pub const START_POSTGRES: &str = "start PostgreSQL with \
-    `pg_ctlcluster --skip-systemctl-redirect $(ls /etc/postgresql) main start` or \
-    `bash scripts/postgres.sh up` (trust auth for local connections, database `test`), or point \
-    DATABASE_URL at one";
-
-pub fn database_url() -> String {
-    std::env::var("DATABASE_URL").unwrap_or_else(|_| DEFAULT_DATABASE_URL.to_owned())
-}
-
-/// A pool on the test database; the test fails, saying how to start PostgreSQL, when it is
-/// unreachable.
-pub async fn pool(max: u32) -> PgPool {
-    let url = database_url();
-    let options: PgConnectOptions = url
-        .parse()
-        .unwrap_or_else(|e| panic!("DATABASE_URL is not a PostgreSQL URL: {e}"));
-    match PgPoolOptions::new()
-        .max_connections(max)
-        .acquire_timeout(Duration::from_secs(10))
-        .connect_with(options)
-        .await
-    {
-        Ok(p) => p,
-        Err(e) => panic!("cannot connect to PostgreSQL at {url}: {e}\n{START_POSTGRES}"),
-    }
-}
+pub use redeliver_testkit::postgres::{pool, START_POSTGRES};
 
 /// A schema of its own (`rdfx_<hex>`) with the inbox and outbox tables and
 /// `effects (message_id text, worker text, at timestamptz)`, **no unique constraint**: only
@@ -135,38 +106,7 @@ impl EffectsDb {
 
 impl Drop for EffectsDb {
     fn drop(&mut self) {
-        // A connection of its own on a thread of its own: this also runs while a failed test
-        // unwinds, inside or outside a runtime, and after a PostgreSQL restart broke the pool.
-        let name = self.name.clone();
-        let dropped = std::thread::spawn(move || {
-            let rt = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .map_err(|e| e.to_string())?;
-            rt.block_on(async move {
-                let mut last = String::new();
-                // PostgreSQL may still be coming back from a restart test.
-                for _ in 0..20 {
-                    match PgConnection::connect(&database_url()).await {
-                        Ok(mut conn) => {
-                            let r =
-                                sqlx::query(&format!("DROP SCHEMA IF EXISTS \"{name}\" CASCADE"))
-                                    .execute(&mut conn)
-                                    .await;
-                            let _ = conn.close().await;
-                            return r.map(|_| ()).map_err(|e| e.to_string());
-                        }
-                        Err(e) => last = e.to_string(),
-                    }
-                    tokio::time::sleep(Duration::from_millis(500)).await;
-                }
-                Err(last)
-            })
-        })
-        .join();
-        if !matches!(dropped, Ok(Ok(()))) {
-            eprintln!("could not drop schema {}: {dropped:?}", self.name);
-        }
+        redeliver_testkit::postgres::drop_schema(&self.name);
     }
 }
 

@@ -9,19 +9,13 @@
 
 use std::net::TcpListener;
 use std::process::Command;
-use std::time::Duration;
 
 use redeliver_postgres::{Outbox, OutboxMessage, Schema};
 use redeliver_testkit::process::Output;
 use serde_json::Value;
-use sqlx::postgres::PgPoolOptions;
-use sqlx::{Connection, PgConnection, PgPool};
+use sqlx::PgPool;
 
-const DEFAULT_DATABASE_URL: &str = "postgres://postgres@127.0.0.1:5432/test";
-
-fn database_url() -> String {
-    std::env::var("DATABASE_URL").unwrap_or_else(|_| DEFAULT_DATABASE_URL.to_owned())
-}
+use redeliver_testkit::postgres::database_url;
 
 /// Runs `redeliver ARGS` with exactly these variables of its own.
 fn cli(args: &[&str], env: &[(&str, &str)]) -> Output {
@@ -44,20 +38,7 @@ struct TestSchema {
 
 impl TestSchema {
     async fn new() -> Self {
-        let url = database_url();
-        let pool = PgPoolOptions::new()
-            .max_connections(2)
-            .acquire_timeout(Duration::from_secs(10))
-            .connect(&url)
-            .await
-            .unwrap_or_else(|e| {
-                panic!(
-                    "cannot connect to PostgreSQL at DATABASE_URL: {e}\nstart PostgreSQL with \
-                     `pg_ctlcluster --skip-systemctl-redirect $(ls /etc/postgresql) main start` \
-                     (trust auth, database `test`: `createdb -h 127.0.0.1 -U postgres test`), \
-                     or point DATABASE_URL at one"
-                )
-            });
+        let pool = redeliver_testkit::postgres::pool(2).await;
         let name = format!("rdcli_{}", redeliver_testkit::unique_id(12));
         Self { pool, name }
     }
@@ -69,25 +50,7 @@ impl TestSchema {
 
 impl Drop for TestSchema {
     fn drop(&mut self) {
-        let name = self.name.clone();
-        // A drop cannot await: a connection of its own on a thread of its own.
-        let dropped = std::thread::spawn(move || {
-            let rt = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .expect("runtime");
-            rt.block_on(async move {
-                let mut conn = PgConnection::connect(&database_url()).await?;
-                sqlx::query(&format!("DROP SCHEMA IF EXISTS \"{name}\" CASCADE"))
-                    .execute(&mut conn)
-                    .await?;
-                conn.close().await
-            })
-        })
-        .join();
-        if !matches!(dropped, Ok(Ok(()))) {
-            eprintln!("could not drop schema {}: {dropped:?}", self.name);
-        }
+        redeliver_testkit::postgres::drop_schema(&self.name);
     }
 }
 

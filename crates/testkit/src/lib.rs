@@ -27,6 +27,7 @@ pub mod examples;
 pub mod fixtures;
 pub mod http;
 pub mod mgmt;
+pub mod postgres;
 pub mod process;
 pub mod reliability;
 

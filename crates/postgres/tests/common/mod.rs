@@ -5,88 +5,15 @@
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
-use std::time::Duration;
 
 use redeliver_postgres::Schema;
 use redeliver_worker::lapin::message::Delivery;
 use redeliver_worker::lapin::types::{AMQPValue, FieldTable, LongString};
 use redeliver_worker::lapin::BasicProperties;
 use redeliver_worker::Context;
-use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
-use sqlx::{Connection, PgConnection, PgPool};
+use sqlx::PgPool;
 
-pub const DEFAULT_DATABASE_URL: &str = "postgres://postgres@127.0.0.1:5432/test";
-
-pub const START_POSTGRES: &str = "start PostgreSQL with \
-    `pg_ctlcluster --skip-systemctl-redirect $(ls /etc/postgresql) main start` \
-    (trust auth, database `test`: `createdb -h 127.0.0.1 -U postgres test`), \
-    or point DATABASE_URL at one";
-
-pub fn database_url() -> String {
-    std::env::var("DATABASE_URL").unwrap_or_else(|_| DEFAULT_DATABASE_URL.to_owned())
-}
-
-/// A pool on the test database.
-///
-/// # Panics
-///
-/// When PostgreSQL cannot be reached: the test fails, saying how to start it.
-pub async fn pool(max: u32) -> PgPool {
-    let url = database_url();
-    let options: PgConnectOptions = url
-        .parse()
-        .unwrap_or_else(|e| panic!("DATABASE_URL is not a PostgreSQL URL: {e}"));
-    // One plain connection first: its error says why (refused, no such database), where a
-    // pool's would only say it timed out.
-    if let Err(first) = PgConnection::connect_with(&options).await {
-        // Bring up the machine's cluster once, as the broker tests bring up RabbitMQ.
-        static STARTED: tokio::sync::OnceCell<()> = tokio::sync::OnceCell::const_new();
-        STARTED.get_or_init(|| start_local(&options)).await;
-        if let Err(e) = PgConnection::connect_with(&options).await {
-            panic!(
-                "cannot connect to PostgreSQL at {url}: {e} (first try: {first})\n{START_POSTGRES}"
-            );
-        }
-    }
-    PgPoolOptions::new()
-        .max_connections(max)
-        .acquire_timeout(Duration::from_secs(30))
-        .connect_with(options)
-        .await
-        .unwrap_or_else(|e| panic!("cannot connect to PostgreSQL at {url}: {e}\n{START_POSTGRES}"))
-}
-
-/// When the test database is on this machine and PostgreSQL is installed here: starts its
-/// cluster(s) and creates the database if missing. Best effort: the caller's retry reports.
-async fn start_local(options: &PgConnectOptions) {
-    if !matches!(options.get_host(), "127.0.0.1" | "localhost" | "::1") {
-        return;
-    }
-    if let Ok(versions) = std::fs::read_dir("/etc/postgresql") {
-        for version in versions.flatten() {
-            let _ = std::process::Command::new("pg_ctlcluster")
-                .args(["--skip-systemctl-redirect"])
-                .arg(version.file_name())
-                .args(["main", "start"])
-                .status();
-        }
-    }
-    let Some(database) = options.get_database().map(str::to_owned) else {
-        return;
-    };
-    for _ in 0..25 {
-        if let Ok(mut conn) =
-            PgConnection::connect_with(&options.clone().database("postgres")).await
-        {
-            let _ = sqlx::query(&format!("CREATE DATABASE \"{database}\""))
-                .execute(&mut conn)
-                .await;
-            let _ = conn.close().await;
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
-}
+use redeliver_testkit::postgres::pool;
 
 /// A schema of its own (`rdpg_<hex>`), dropped with everything in it when this is dropped.
 pub struct TestDb {
@@ -136,26 +63,7 @@ impl TestDb {
 
 impl Drop for TestDb {
     fn drop(&mut self) {
-        // A connection of its own on a thread of its own: this also runs while a failed test
-        // unwinds, inside or outside a runtime.
-        let name = self.name.clone();
-        let dropped = std::thread::spawn(move || {
-            let rt = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .expect("runtime");
-            rt.block_on(async move {
-                let mut conn = PgConnection::connect(&database_url()).await?;
-                sqlx::query(&format!("DROP SCHEMA IF EXISTS \"{name}\" CASCADE"))
-                    .execute(&mut conn)
-                    .await?;
-                conn.close().await
-            })
-        })
-        .join();
-        if !matches!(dropped, Ok(Ok(()))) {
-            eprintln!("could not drop schema {}: {dropped:?}", self.name);
-        }
+        redeliver_testkit::postgres::drop_schema(&self.name);
     }
 }
 
