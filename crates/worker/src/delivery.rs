@@ -13,11 +13,12 @@ use redeliver_amqp::headers::{self, RetryState};
 use redeliver_core::HandlerError;
 use tracing::{debug, error, info_span, Instrument, Span};
 
+use crate::broker::Link;
 use crate::handler::{Context, HandlerFuture};
 use crate::meters::Meters;
 use crate::outcome::{self, Outcome, Settled};
 use crate::permits::Permit;
-use crate::settle::{Link, Message, Rules, Settle};
+use crate::settle::{Message, Rules, Settle};
 use crate::shared::Shared;
 
 #[cfg(test)]

@@ -10,7 +10,7 @@ use lapin::types::FieldTable;
 use lapin::BasicProperties;
 use redeliver_amqp::PublishError;
 
-use crate::settle::{Broker, CopyError, Link};
+use crate::broker::{Broker, CopyError, Link};
 
 /// What the code under test asked of the broker.
 #[derive(Debug, Clone, PartialEq)]

@@ -120,8 +120,10 @@
 
 // The delivery path, top-down, each step calling only the ones below it: `runtime` (reconnect
 // loop) -> `session` (one connection) -> `delivery` (decode, call the handler) -> `outcome`
-// (what to do) -> `settle` (the rules) -> `copy` (the replacing copies) and `link` (the broker).
+// (what to do) -> `settle` (the rules) -> `copy` (the replacing copies) and `broker` (what
+// settling needs of the broker), which `link` implements on lapin.
 mod acks;
+mod broker;
 mod builder;
 mod copy;
 mod delivery;

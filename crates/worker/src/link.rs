@@ -15,8 +15,8 @@ use redeliver_amqp::{PublishError, Publisher};
 use tracing::debug;
 
 use crate::acks::AckSender;
+use crate::broker::{Broker, CopyError, Link};
 use crate::publishing::{OpenError, Publishing, REOPEN_TIMEOUT};
-use crate::settle::{Broker, CopyError, Link};
 
 /// [`Link`] on lapin: one per session.
 pub(crate) struct LapinLink {

@@ -13,7 +13,6 @@
 //!   copy would only be a duplicate.
 
 use std::fmt;
-use std::future::Future;
 use std::sync::Mutex;
 use std::time::Duration;
 
@@ -25,6 +24,7 @@ use redeliver_core::Forward;
 use tokio_util::sync::CancellationToken;
 use tracing::{error, info, warn, Span};
 
+use crate::broker::{Broker, CopyError};
 use crate::copy::Original;
 use crate::meters::Meters;
 use crate::metrics_names as m;
@@ -39,72 +39,6 @@ mod tests;
 /// that refuses publishes (delay infrastructure missing, resource alarm) turns into a hot
 /// redelivery loop. Holding the concurrency permit meanwhile is the intended back-pressure.
 pub(crate) const REQUEUE_PAUSE: Duration = Duration::from_secs(1);
-
-/// What settling one delivery needs from the broker.
-pub(crate) trait Broker: Send + Sync {
-    /// The delivery's channel is still open; settling on a closed one cannot reach the broker.
-    fn is_open(&self) -> bool;
-    /// Hands the delivery to its channel's batched acks (`success`: its handler succeeded);
-    /// false when the channel is closed.
-    fn ack(&self, success: bool) -> bool;
-    /// `basic.reject`; `Ok(false)` when the channel is closed.
-    fn reject(&self, requeue: bool) -> impl Future<Output = Result<bool, lapin::Error>> + Send;
-    /// The delivery was settled by a frame of its own: later batched acks need not wait for it.
-    fn released(&self);
-    /// A frame of the delivery's own did not go out, so its tag must stay unsettled: closes the
-    /// channel, and the broker gives every delivery of it back to the queue.
-    fn abandon_channel(&self, why: &'static str) -> impl Future<Output = ()> + Send;
-    /// Publishes a copy for `queue` through the delay levels and waits for the confirm.
-    fn publish_delayed(
-        &self,
-        queue: &str,
-        delay: Duration,
-        body: &[u8],
-        props: BasicProperties,
-    ) -> impl Future<Output = Result<(), CopyError>> + Send;
-    /// Publishes a copy (mandatory) and waits for the confirm.
-    fn publish(
-        &self,
-        exchange: &str,
-        routing_key: &str,
-        body: &[u8],
-        props: BasicProperties,
-    ) -> impl Future<Output = Result<(), CopyError>> + Send;
-}
-
-/// A session's side of the broker: gives each of its deliveries a [`Broker`].
-pub(crate) trait Link: Send + Sync + 'static {
-    /// The broker side of one delivery of this session.
-    type Broker<'a>: Broker
-    where
-        Self: 'a;
-    /// Announces a delivery to the channel's batched acks before anything can settle it.
-    fn register(&self, delivery_tag: u64);
-    /// The broker side of settling `delivery`, which came on this session's consumer channel.
-    fn broker<'a>(&'a self, delivery: &'a Delivery) -> Self::Broker<'a>;
-}
-
-/// Why a copy was not confirmed.
-#[derive(Debug, thiserror::Error)]
-pub(crate) enum CopyError {
-    /// The publisher refused it, or the broker nacked or returned it.
-    #[error(transparent)]
-    Publish(#[from] PublishError),
-    /// No confirm within the confirm timeout.
-    #[error("no confirm from the broker within {0:?}")]
-    Timeout(Duration),
-    /// The broker blocked the publishing connection (a resource alarm) for longer than the
-    /// confirm timeout, or while the copy waited for its confirm.
-    #[error("the broker blocks the publishing connection (resource alarm); waited {0:?}")]
-    Blocked(Duration),
-    /// The publishing connection or its channel could not be (re)opened.
-    #[error(transparent)]
-    Open(#[from] crate::publishing::OpenError),
-    /// The publishing connection or its channels were still being reopened when the confirm
-    /// timeout ran out (a node that accepts TCP and does not answer, say).
-    #[error("the publishing connection could not be reopened within {0:?}")]
-    Reopen(Duration),
-}
 
 /// The settling rules of one session: the worker's settings and what the broker said.
 #[derive(Clone, Debug)]

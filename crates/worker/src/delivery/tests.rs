@@ -12,10 +12,11 @@ use redeliver_amqp::headers::{self, ForwardInfo, RetryState};
 use redeliver_core::{Classifier, Forward, HandlerError, Jitter, RetryPolicy, TimedOut};
 
 use super::{start, Deliveries};
+use crate::broker::CopyError;
 use crate::fake::{nacked, Call, FakeBroker, FakeLink};
 use crate::handler::{Json, Raw};
 use crate::settings::DeadLetterMode;
-use crate::settle::{CopyError, Rules, REQUEUE_PAUSE};
+use crate::settle::{Rules, REQUEUE_PAUSE};
 use crate::shared::Shared;
 use crate::{Context, Worker, WorkerBuilder};
 
