@@ -26,11 +26,12 @@
 
 #[path = "image_processing/job.rs"]
 mod job;
+#[path = "common/logging.rs"]
+mod logging;
 
 use std::time::Duration;
 
-use anyhow::anyhow;
-use redeliver::worker::env::{LogFormat, ServiceSettings};
+use redeliver::worker::env::ServiceSettings;
 use redeliver::worker::health::{self, Health};
 use redeliver::{
     CancellationToken, Classifier, Context, Forward, Jitter, Json, RetryPolicy, TimedOut, Worker,
@@ -43,7 +44,7 @@ const TIME_LIMIT: Duration = Duration::from_secs(10);
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let cfg = ServiceSettings::from_env()?;
-    init_logging(&cfg)?;
+    logging::init(&cfg, &["lapin"])?;
     let standard = builder()?;
     let settings = standard.settings().clone();
     let queue = settings.queue().unwrap_or("images").to_owned();
@@ -105,24 +106,4 @@ fn builder() -> anyhow::Result<WorkerBuilder> {
 
 async fn process(job: Json<job::ImageJob>, ctx: Context) -> Result<(), redeliver::HandlerError> {
     job::process(&job, &ctx).await
-}
-
-/// Logs to stderr, as JSON when `REDELIVER_LOG_FORMAT=json`, filtered by `RUST_LOG`: the
-/// worker reads these settings but leaves installing a subscriber to the service.
-fn init_logging(cfg: &ServiceSettings) -> anyhow::Result<()> {
-    // Without RUST_LOG: our info lines, but not lapin's chatter.
-    let directives = match std::env::var_os("RUST_LOG") {
-        Some(_) => cfg.log_filter.clone(),
-        None => format!("{},lapin=warn", cfg.log_filter),
-    };
-    let filter = tracing_subscriber::EnvFilter::try_new(&directives)
-        .map_err(|e| anyhow!("invalid RUST_LOG={directives:?}: {e}"))?;
-    let fmt = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr);
-    match cfg.log_format {
-        LogFormat::Json => fmt.json().try_init(),
-        LogFormat::Pretty => fmt.try_init(),
-    }
-    .map_err(|e| anyhow!("cannot install the logger: {e}"))
 }

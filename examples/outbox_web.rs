@@ -31,6 +31,8 @@
 //! backoff, then publishes them, each with the message id stored with it. `/livez` answers
 //! while the process runs, `/readyz` while the database does.
 
+#[path = "common/logging.rs"]
+mod logging;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
@@ -45,7 +47,7 @@ use axum::routing::{get, post};
 use axum::Router;
 use redeliver::lapin::ConnectionProperties;
 use redeliver::postgres::{Outbox, OutboxMessage, Relay, Schema};
-use redeliver::worker::env::{LogFormat, ServiceSettings};
+use redeliver::worker::env::ServiceSettings;
 use redeliver::{CancellationToken, Publisher, Settings, Topology, WorkerBuilder};
 use serde::{Deserialize, Serialize};
 use serde_json::json;
@@ -410,7 +412,7 @@ fn cancel_on_signal(token: CancellationToken) -> anyhow::Result<()> {
 
 async fn run() -> anyhow::Result<()> {
     let service = ServiceSettings::from_env()?;
-    init_logging(&service)?;
+    logging::init(&service, &["lapin", "sqlx"])?;
     let cfg = Config::from_env()?;
 
     let options: PgConnectOptions = cfg.database_url.parse().map_err(|e| {
@@ -533,25 +535,6 @@ fn redact_database_url(url: &str) -> String {
         None => tail.to_owned(),
     };
     format!("{scheme}://{authority}{tail}")
-}
-
-/// Logs to stderr, as JSON when `REDELIVER_LOG_FORMAT=json`, filtered by `RUST_LOG`.
-fn init_logging(cfg: &ServiceSettings) -> anyhow::Result<()> {
-    // Without RUST_LOG: our info lines, but not lapin's and sqlx's chatter.
-    let directives = match std::env::var_os("RUST_LOG") {
-        Some(_) => cfg.log_filter.clone(),
-        None => format!("{},lapin=warn,sqlx=warn", cfg.log_filter),
-    };
-    let filter = tracing_subscriber::EnvFilter::try_new(&directives)
-        .map_err(|e| anyhow!("invalid RUST_LOG={directives:?}: {e}"))?;
-    let fmt = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr);
-    match cfg.log_format {
-        LogFormat::Json => fmt.json().try_init(),
-        LogFormat::Pretty => fmt.try_init(),
-    }
-    .map_err(|e| anyhow!("cannot install the logger: {e}"))
 }
 
 #[tokio::main]
