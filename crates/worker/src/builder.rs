@@ -375,6 +375,16 @@ impl WorkerBuilder {
         // Names and delay settings are checked now, not on the first connect, so a typo fails
         // fast instead of entering the reconnect loop.
         topology.validate()?;
+        if settings
+            .policy
+            .configured_forward()
+            .and_then(|to| to.queue())
+            == Some(queue.as_str())
+        {
+            // The forwarded copy carries no retry state, so it would come back as a fresh
+            // message and be forwarded again for ever, never reaching the DLQ.
+            return Err(SettingError::ForwardToItself(queue).into());
+        }
         let handler = self.handler.ok_or(SettingError::NoHandler)?;
         let concurrency = settings.concurrency;
         if concurrency == 0 || concurrency > Permits::MAX {

@@ -75,6 +75,10 @@ pub enum SettingError {
     /// A duration that must be positive was zero.
     #[error("{0} must be more than zero")]
     Zero(&'static str),
+    /// The policy forwards to the worker's own queue: a forwarded message would come back
+    /// without its retry state and be forwarded again for ever.
+    #[error("the retry policy forwards to queue '{0}', the worker's own queue: forwarded messages would loop for ever; forward to another queue")]
+    ForwardToItself(String),
     /// A broker URL that does not parse (its password is never in the text).
     #[error(transparent)]
     Url(#[from] UrlError),
@@ -146,6 +150,28 @@ impl WorkerError {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_policy_that_forwards_to_the_workers_own_queue_is_refused_at_build() {
+        use redeliver_core::{Forward, HandlerError, RetryPolicy};
+        let build = |to: &str| {
+            crate::Worker::builder("amqp://127.0.0.1:5672/%2f")
+                .queue("images")
+                .prefix("eu-")
+                .policy(RetryPolicy::default().forward(Forward::to_queue(to)))
+                .handler(|_: crate::Raw, _| async { Ok::<(), HandlerError>(()) })
+                .build()
+        };
+        match build("eu-images") {
+            Err(WorkerError::Config(SettingError::ForwardToItself(q))) => {
+                assert_eq!(q, "eu-images")
+            }
+            other => panic!("expected ForwardToItself, got {other:?}"),
+        }
+        assert!(build("eu-images.heavy").is_ok());
+        // Without the prefix it is another queue.
+        assert!(build("images").is_ok());
+    }
 
     #[test]
     fn a_missing_forward_destination_says_what_to_do_and_is_waited_for() {
