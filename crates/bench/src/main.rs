@@ -16,7 +16,7 @@ mod report;
 mod scenarios;
 mod stats;
 
-use anyhow::Result;
+use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
 
 use crate::config::{Scenario, DEFAULT_DATABASE_URL, DEFAULT_URL};
@@ -95,7 +95,15 @@ fn main() -> Result<()> {
         .enable_all()
         .build()?;
     match cli.command {
-        Some(Command::Child(args)) => rt.block_on(child::main(cli.url, cli.database_url, args)),
+        Some(Command::Child(args)) => {
+            // A service sets a subscriber; a consumer child sets one that keeps nothing. Without
+            // any, tracing's `log` feature (turned on for the whole build by sqlx, which the
+            // inbox scenario links) sends every span of lapin and the worker down its fallback
+            // to the `log` crate: ~400 instructions per message that no deployed worker spends.
+            tracing::subscriber::set_global_default(tracing::subscriber::NoSubscriber::default())
+                .context("setting the consumer child's tracing subscriber")?;
+            rt.block_on(child::main(cli.url, cli.database_url, args))
+        }
         None => {
             let mut sizes = if cli.short {
                 config::Sizes::short()

@@ -24,6 +24,9 @@ pub struct ThroughputRow {
     pub rss_delta_mib: f64,
     /// Consumer process CPU (user + system) per message during the drain, microseconds.
     pub cpu_us_per_msg: f64,
+    /// Consumer process CPU from the RUN to its first delivery, milliseconds: not in the
+    /// per-message figure (the worker's start-up, the raw side's consume).
+    pub setup_cpu_ms: f64,
     /// The broker node's CPU per message during the drain, microseconds (None: not readable).
     pub broker_cpu_us_per_msg: Option<f64>,
     /// The database's processes' CPU per message during the drain, microseconds (scenario 7;
@@ -763,6 +766,7 @@ mod tests {
             peak_rss_mib: 1.0,
             rss_delta_mib: 1.0,
             cpu_us_per_msg: cpu,
+            setup_cpu_ms: 0.0,
             broker_cpu_us_per_msg: None,
             db_cpu_us_per_msg: None,
         }

@@ -264,13 +264,14 @@ where
             let mut row = one(side, round).await?;
             row.round = round;
             eprintln!(
-                "   round {} {} {} {}: {:.0} msg/s consume ({:.1} us CPU/msg, broker {}), {:.0} msg/s publish, p50 {:.1} ms, p99 {:.1} ms",
+                "   round {} {} {} {}: {:.0} msg/s consume ({:.1} us CPU/msg, {:.0} ms CPU before the first, broker {}), {:.0} msg/s publish, p50 {:.1} ms, p99 {:.1} ms",
                 round + 1,
                 row.scenario,
                 row.queue.name(),
                 side.name(),
                 row.consume_per_s,
                 row.cpu_us_per_msg,
+                row.setup_cpu_ms,
                 row.broker_cpu_us_per_msg
                     .map(|b| format!("{b:.1} us/msg"))
                     .unwrap_or_else(|| "n/a".into()),
