@@ -96,6 +96,8 @@ impl<'a> Message<'a> {
 /// What a requeue answers for: a copy the broker did not confirm, or a panic while settling.
 enum Cause<'a> {
     Copy(&'a CopyError),
+    /// The copy without a malformed `x-death`: its original cannot always be dead-lettered.
+    SanitizedCopy(&'a CopyError),
     Panic(&'a str),
 }
 
@@ -103,14 +105,23 @@ impl Cause<'_> {
     /// A requeue that does not count toward the limit: the broker blocked publishing, which is
     /// not the message's fault.
     fn counts(&self) -> bool {
-        !matches!(self, Cause::Copy(CopyError::Blocked(_)))
+        !matches!(
+            self,
+            Cause::Copy(CopyError::Blocked(_)) | Cause::SanitizedCopy(CopyError::Blocked(_))
+        )
+    }
+
+    /// Whether the requeue limit may end in the DLQ: not for a message with a malformed
+    /// `x-death` on a broker that crashes dead-lettering it.
+    fn may_dead_letter(&self, rules: &Rules) -> bool {
+        !matches!(self, Cause::SanitizedCopy(_)) || rules.dead_letters_malformed_x_death
     }
 }
 
 impl fmt::Display for Cause<'_> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            Cause::Copy(e) => e.fmt(f),
+            Cause::Copy(e) | Cause::SanitizedCopy(e) => e.fmt(f),
             Cause::Panic(e) => f.write_str(e),
         }
     }
@@ -374,7 +385,7 @@ impl<B: Broker> Settle<'_, B> {
             }
             Err(e) => {
                 error!(message_id = %msg.message_id, error = %e, "copy without the malformed x-death not confirmed by the broker; requeueing the original");
-                self.requeue_bounded(m::REASON_SANITIZE_UNCONFIRMED, Cause::Copy(&e))
+                self.requeue_bounded(m::REASON_SANITIZE_UNCONFIRMED, Cause::SanitizedCopy(&e))
                     .await
             }
         }
@@ -409,9 +420,7 @@ impl<B: Broker> Settle<'_, B> {
             requeue::lock(self.requeues).count(key)
         };
         let limit = self.rules.requeue_limit;
-        let may_dead_letter =
-            reason != m::REASON_SANITIZE_UNCONFIRMED || self.rules.dead_letters_malformed_x_death;
-        if count > limit && may_dead_letter {
+        if count > limit && cause.may_dead_letter(self.rules) {
             requeue::lock(self.requeues).forget(key);
             error!(message_id = %self.message.message_id, requeues = count - 1, limit, "requeue limit reached: dead-lettering the message instead");
             let error = format!("{reason} {} times, last: {cause}", count - 1);
