@@ -170,21 +170,10 @@ mod db {
         let context = format!("cannot read the outbox {table} at {at}");
         match result {
             Ok(p) => Ok(p),
-            // undefined_table: the table, or its whole schema, is missing.
-            Err(e) if sql_state(&e).as_deref() == Some("42P01") => {
+            Err(redeliver_postgres::Error::MissingTable { .. }) => {
                 Err(anyhow::Error::new(OutboxMissing { table }).context(context))
             }
             Err(e) => Err(anyhow::Error::new(e).context(context)),
-        }
-    }
-
-    /// The SQLSTATE of a database error in the outbox crate's error.
-    fn sql_state(e: &redeliver_postgres::Error) -> Option<String> {
-        match e {
-            redeliver_postgres::Error::Database(sqlx::Error::Database(db)) => {
-                db.code().map(|c| c.into_owned())
-            }
-            _ => None,
         }
     }
 

@@ -249,6 +249,8 @@ pub struct Pending {
 
 /// Counts the rows waiting in the outbox of `schema` and the age of the oldest.
 ///
+/// A missing table (nothing migrated that schema yet) is [`Error::MissingTable`].
+///
 /// ```no_run
 /// # async fn demo(pool: sqlx::PgPool) -> Result<(), redeliver_postgres::Error> {
 /// let p = redeliver_postgres::pending(&pool, &redeliver_postgres::Schema::default()).await?;
@@ -261,7 +263,14 @@ pub async fn pending(pool: &PgPool, schema: &Schema) -> Result<Pending, Error> {
         schema.outbox_sql()
     ))
     .fetch_one(pool)
-    .await?;
+    .await
+    .map_err(|e| match &e {
+        // undefined_table: the table, or its whole schema.
+        sqlx::Error::Database(db) if db.code().as_deref() == Some("42P01") => Error::MissingTable {
+            table: format!("{}.{}", schema.name(), schema.outbox_table()),
+        },
+        _ => Error::Database(e),
+    })?;
     let count: i64 = row.try_get(0)?;
     let age: Option<f64> = row.try_get(1)?;
     Ok(Pending {

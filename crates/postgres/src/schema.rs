@@ -260,8 +260,11 @@ impl Schema {
             .await?;
         let schema = quote(&self.name);
         let ledger = format!("{schema}.{}", quote(MIGRATIONS_TABLE));
+        // Every start after the first finds the schema and the ledger: PostgreSQL's notices
+        // ("already exists, skipping") would reach the service's log at INFO through sqlx.
         let create = format!(
-            "CREATE SCHEMA IF NOT EXISTS {schema};
+            "SET LOCAL client_min_messages TO warning;
+             CREATE SCHEMA IF NOT EXISTS {schema};
              CREATE TABLE IF NOT EXISTS {ledger} (
                  table_name text NOT NULL,
                  version    integer NOT NULL,

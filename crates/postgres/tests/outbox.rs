@@ -273,3 +273,15 @@ async fn a_message_amqp_cannot_carry_is_refused_when_stored() {
     tx.commit().await.unwrap();
     assert_eq!(db.count("outbox").await, 0);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pending_names_a_missing_outbox_table() {
+    // Nothing migrated this schema: the caller learns which table is missing, not a SQLSTATE.
+    let db = TestDb::new().await;
+    let err = pending(&db.pool, &db.schema).await.unwrap_err();
+    let table = format!("{}.{}", db.schema.name(), db.schema.outbox_table());
+    match &err {
+        redeliver_postgres::Error::MissingTable { table: t } => assert_eq!(t, &table),
+        other => panic!("expected MissingTable, got {other:?}"),
+    }
+}
