@@ -5,8 +5,10 @@ mod common;
 use std::collections::BTreeSet;
 use std::time::{Duration, Instant};
 
-use common::TestDb;
-use redeliver_postgres::{pending, Outbox, OutboxMessage, Relay};
+use common::{counters, TestDb};
+use redeliver_postgres::{
+    pending, Outbox, OutboxMessage, Relay, OUTBOX_OLDEST_AGE_SECONDS, OUTBOX_PENDING,
+};
 use redeliver_testkit::{drain_queue, Cleanup};
 use redeliver_worker::lapin::options::QueueDeclareOptions;
 use redeliver_worker::lapin::types::FieldTable;
@@ -284,4 +286,54 @@ async fn pending_names_a_missing_outbox_table() {
         redeliver_postgres::Error::MissingTable { table: t } => assert_eq!(t, &table),
         other => panic!("expected MissingTable, got {other:?}"),
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_relay_reports_what_waits_in_its_gauges() {
+    let counters = counters(); // installed before the relay registers its gauges
+    let db = TestDb::new().await;
+    db.schema.migrate(&db.pool).await.unwrap();
+    let (_cleanup, conn, publisher, queue) = broker().await;
+    let outbox = Outbox::new(db.schema.clone());
+    let mut tx = db.pool.begin().await.unwrap();
+    // One the broker cannot route stays in the outbox round after round; one is published.
+    outbox
+        .store(
+            &mut tx,
+            &OutboxMessage::new("", format!("{queue}-missing"), b"stuck".to_vec()),
+        )
+        .await
+        .unwrap();
+    outbox
+        .store(
+            &mut tx,
+            &OutboxMessage::new("", queue.as_str(), b"sent".to_vec()),
+        )
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+    tokio::time::sleep(Duration::from_millis(1100)).await; // the stuck row ages
+
+    let labels = format!("outbox={}.{}", db.schema.name(), db.schema.outbox_table());
+    let token = CancellationToken::new();
+    let relay = tokio::spawn(
+        Relay::new(db.pool.clone(), db.schema.clone(), publisher)
+            .poll_interval(Duration::from_millis(100))
+            .run(token.clone()),
+    );
+    wait_for(&conn, &queue, 1).await;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let (count, age) = loop {
+        let count = counters.gauge(OUTBOX_PENDING, &labels);
+        let age = counters.gauge(OUTBOX_OLDEST_AGE_SECONDS, &labels);
+        if count == Some(1.0) || Instant::now() > deadline {
+            break (count, age);
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    token.cancel();
+    relay.await.unwrap().expect("relay");
+    assert_eq!(count, Some(1.0), "pending gauge: the unroutable row waits");
+    let age = age.expect("oldest age gauge");
+    assert!((1.0..60.0).contains(&age), "oldest age {age} s");
 }

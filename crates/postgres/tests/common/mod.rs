@@ -85,9 +85,34 @@ pub fn context(message_id: Option<&str>, headers: &[(&str, &str)]) -> Context {
     Context::detached("q", delivery)
 }
 
-/// Counters recorded by the process-wide test recorder, by name and labels.
+/// Counters and gauges recorded by the process-wide test recorder, by name and labels (a
+/// gauge's cell holds the bits of its `f64`).
 #[derive(Default)]
 pub struct Counters(Mutex<HashMap<String, Arc<AtomicU64>>>);
+
+struct Gauge(Arc<AtomicU64>);
+
+impl Gauge {
+    fn update(&self, f: impl Fn(f64) -> f64) {
+        let _ = self
+            .0
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |bits| {
+                Some(f(f64::from_bits(bits)).to_bits())
+            });
+    }
+}
+
+impl metrics::GaugeFn for Gauge {
+    fn increment(&self, value: f64) {
+        self.update(|v| v + value);
+    }
+    fn decrement(&self, value: f64) {
+        self.update(|v| v - value);
+    }
+    fn set(&self, value: f64) {
+        self.0.store(value.to_bits(), Ordering::Relaxed);
+    }
+}
 
 struct Counter(Arc<AtomicU64>);
 
@@ -143,8 +168,16 @@ impl metrics::Recorder for Recorder {
         );
         metrics::Counter::from_arc(Arc::new(Counter(cell)))
     }
-    fn register_gauge(&self, _: &metrics::Key, _: &metrics::Metadata<'_>) -> metrics::Gauge {
-        metrics::Gauge::noop()
+    fn register_gauge(&self, key: &metrics::Key, _: &metrics::Metadata<'_>) -> metrics::Gauge {
+        let cell = Arc::clone(
+            self.0
+                 .0
+                .lock()
+                .expect("lock")
+                .entry(format!("gauge:{}", key_name(key)))
+                .or_default(),
+        );
+        metrics::Gauge::from_arc(Arc::new(Gauge(cell)))
     }
     fn register_histogram(
         &self,
@@ -174,5 +207,15 @@ impl Counters {
             .expect("lock")
             .get(&key)
             .map_or(0, |c| c.load(Ordering::Relaxed))
+    }
+
+    /// Gauge `name` with labels `labels` ("k=v,k=v"), `None` when never registered.
+    pub fn gauge(&self, name: &str, labels: &str) -> Option<f64> {
+        let key = format!("gauge:{name},{labels}");
+        self.0
+            .lock()
+            .expect("lock")
+            .get(&key)
+            .map(|c| f64::from_bits(c.load(Ordering::Relaxed)))
     }
 }
