@@ -13,9 +13,10 @@ use crate::errors::{HintContext, UsageError};
 use crate::select::Filter;
 use crate::{probe, topology, triage};
 
-/// Everything main needs to print an error well: the URL (to scrub the password) and hints.
+/// Everything main needs to print an error well: the URLs (to scrub their passwords; empty
+/// when they did not parse) and hints.
 pub(crate) struct Invocation {
-    pub url: Option<BrokerUrl>,
+    pub urls: Vec<BrokerUrl>,
     pub hints: HintContext,
 }
 
@@ -132,24 +133,24 @@ fn dlq_source(queue: &str, prefix: &str) -> Source {
 /// command then fails.
 pub(crate) fn prepare(cli: &Cli) -> (Invocation, Result<(), anyhow::Error>) {
     let hints = hints_for(&cli.command);
-    let url = match conn::broker_url(cli) {
+    let urls = match conn::broker_urls(cli) {
         Ok(u) => u,
-        Err(e) => return (Invocation { url: None, hints }, Err(e.into())),
+        Err(e) => {
+            let none = Invocation {
+                urls: Vec::new(),
+                hints,
+            };
+            return (none, Err(e.into()));
+        }
     };
     let checked = check_confirmations(&cli.command).map_err(anyhow::Error::from);
-    (
-        Invocation {
-            url: Some(url),
-            hints,
-        },
-        checked,
-    )
+    (Invocation { urls, hints }, checked)
 }
 
-/// Runs the command. `url` comes from [`prepare`].
-pub(crate) async fn run(cli: Cli, url: &BrokerUrl) -> anyhow::Result<()> {
+/// Runs the command. `urls` come from [`prepare`].
+pub(crate) async fn run(cli: Cli, urls: &[BrokerUrl]) -> anyhow::Result<()> {
     let tls = conn::tls_config(&cli);
-    let conn = conn::connect(url, &tls, cli.connect_timeout).await?;
+    let conn = conn::connect_any(urls, &tls, cli.connect_timeout).await?;
     let result = dispatch(cli.command, &conn).await;
     // Closing politely lets the broker requeue at once instead of on socket loss; a failure
     // here changes nothing for the user.

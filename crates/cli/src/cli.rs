@@ -79,7 +79,8 @@ URLs connect with TLS and verify the broker's certificate and host name."
 )]
 pub(crate) struct Cli {
     /// Broker URL: amqp://USER:PASSWORD@HOST:PORT/VHOST (the vhost '/' is written %2f).
-    /// Defaults to the local broker, 127.0.0.1:5672, with the guest account
+    /// Several separated by ';' are tried in order. Defaults to the local broker,
+    /// 127.0.0.1:5672, with the guest account
     #[arg(
         long,
         env = "AMQP_URL",

@@ -13,8 +13,9 @@ pub(crate) use redeliver_amqp::url::BrokerUrl;
 use crate::cli::{Cli, DEFAULT_URL};
 use crate::errors::{Unreachable, UsageError};
 
-/// The broker URL the arguments name. Errors never contain the password.
-pub(crate) fn broker_url(cli: &Cli) -> Result<BrokerUrl, UsageError> {
+/// The broker URLs the arguments name, in the order to try them (never empty). Errors never
+/// contain the password.
+pub(crate) fn broker_urls(cli: &Cli) -> Result<Vec<BrokerUrl>, UsageError> {
     let usage = |e: UrlError| UsageError(format!("--url / AMQP_URL: {e}"));
     let mut raw = match &cli.url_file {
         Some(path) => url::read_secret_file("the broker URL", path).map_err(usage)?,
@@ -26,9 +27,9 @@ pub(crate) fn broker_url(cli: &Cli) -> Result<BrokerUrl, UsageError> {
     }
     // The same list syntax as the worker's AMQP_URL (one environment serves both), with its
     // checks: no list mixing amqps:// and amqp://, no `;` that may belong to a password. A
-    // command talks to one broker: the first URL, as the worker's first choice.
-    let mut urls = BrokerUrl::parse_list(&raw).map_err(usage)?;
-    Ok(urls.swap_remove(0))
+    // command talks to one broker: the first that answers, in the list's order, as the worker
+    // picks its first choice.
+    BrokerUrl::parse_list(&raw).map_err(usage)
 }
 
 /// The TLS settings the arguments name.
@@ -43,9 +44,35 @@ pub(crate) fn tls_config(cli: &Cli) -> TlsConfig {
     t.sasl_external(cli.sasl_external)
 }
 
+/// Connects to the first of `urls` that accepts, each bounded by `timeout`. A node that is
+/// down does not stop an operator whose list names others: its failure is a warning on stderr
+/// (redacted, escaped) and the next URL is tried. The error is the last URL's.
+pub(crate) async fn connect_any(
+    urls: &[BrokerUrl],
+    tls: &TlsConfig,
+    timeout: Duration,
+) -> anyhow::Result<Connection> {
+    let mut last = None;
+    for (i, url) in urls.iter().enumerate() {
+        match connect(url, tls, timeout).await {
+            Ok(conn) => return Ok(conn),
+            Err(e) if i + 1 < urls.len() => {
+                let text = url.scrub(&redeliver_core::error_chain(e.as_ref()));
+                eprintln!(
+                    "warning: {}; trying the next URL of the list",
+                    crate::text::escape(&text)
+                );
+                last = Some(e);
+            }
+            Err(e) => last = Some(e),
+        }
+    }
+    Err(last.unwrap_or_else(|| anyhow::anyhow!("no broker URL")))
+}
+
 /// Connects, bounded by `timeout` (a black-holed host would otherwise hang for minutes).
 /// Errors carry the redacted URL; `errors::explain` turns the cause into a hint.
-pub(crate) async fn connect(
+async fn connect(
     url: &BrokerUrl,
     tls: &TlsConfig,
     timeout: Duration,

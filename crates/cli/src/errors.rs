@@ -77,9 +77,9 @@ pub(crate) fn exit_code(err: &anyhow::Error) -> u8 {
 /// so each line is escaped ([`text::escape`]): one message must not be able to forge lines or
 /// send escape sequences to the terminal through an error. The password is scrubbed before
 /// escaping (an escaped password would no longer be found) and once more from the whole text.
-pub(crate) fn render(err: &anyhow::Error, url: Option<&BrokerUrl>, ctx: &HintContext) -> String {
-    let scrub = |s: &str| url.map_or_else(|| s.to_owned(), |u| u.scrub(s));
-    render_with(err, &hints(err, url, ctx), &scrub)
+pub(crate) fn render(err: &anyhow::Error, urls: &[BrokerUrl], ctx: &HintContext) -> String {
+    let scrub = |s: &str| urls.iter().fold(s.to_owned(), |text, u| u.scrub(&text));
+    render_with(err, &hints(err, urls.first(), ctx), &scrub)
 }
 
 /// [`render`] with the hints given and the scrubbing of another URL: for the commands that
@@ -340,7 +340,7 @@ mod tests {
     fn broker_text_in_errors_is_escaped() {
         let e = anyhow::anyhow!("routing key 'rk\u{1b}[2J\r\nerror: forged' names no queue")
             .context("#3 message_id \u{202e}di");
-        let out = render(&e, None, &HintContext::default());
+        let out = render(&e, &[], &HintContext::default());
         assert_eq!(
             out,
             "error: #3 message_id \\u{202e}di: routing key 'rk\\u{1b}[2J\\r\\nerror: forged' \

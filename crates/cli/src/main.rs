@@ -34,22 +34,18 @@ fn main() -> ExitCode {
     }
     let (inv, checked) = app::prepare(&cli);
     let result = checked.and_then(|()| {
-        let url = inv
-            .url
-            .as_ref()
-            .ok_or_else(|| anyhow::anyhow!("no broker URL"))?;
         // Two worker threads are plenty for one connection; the CLI is I/O bound.
         let rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
             .enable_all()
             .build()
             .map_err(anyhow::Error::from)?;
-        rt.block_on(app::run(cli, url))
+        rt.block_on(app::run(cli, &inv.urls))
     });
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprint!("{}", errors::render(&e, inv.url.as_ref(), &inv.hints));
+            eprint!("{}", errors::render(&e, &inv.urls, &inv.hints));
             ExitCode::from(errors::exit_code(&e))
         }
     }

@@ -196,6 +196,43 @@ fn the_password_file_fills_a_list_and_the_first_url_is_used() {
     assert!(out.stderr.contains("does not exist"), "{}", out.stderr);
 }
 
+/// A list whose first node is down: the command warns (without the password) and uses the
+/// next, as the worker would.
+#[test]
+fn a_node_that_is_down_is_skipped_for_the_next_in_the_list() {
+    let base = BrokerUrl::parse(&amqp_url()).expect("AMQP_URL");
+    let password = base.uri().authority.userinfo.password.clone();
+    let (user, endpoint) = (base.user(), base.endpoint());
+    let down = format!("amqp://{user}:Dn1pwDn1@127.0.0.1:1/%2f");
+    let list = format!("{down};amqp://{user}:{password}@{endpoint}/%2f");
+    let queue = redeliver_testkit::unique_prefix("sec", 10, "-q");
+    let out = run(&["dlq", "list", &queue], &url_env(&list));
+    let text = assert_hidden(&out, &["Dn1pwDn1"]);
+    // Connected to the second (the queue, not the connection, is what is missing).
+    assert_eq!(out.code, 1, "{text}");
+    assert!(out.stderr.contains("does not exist"), "{text}");
+    assert!(
+        out.stderr
+            .contains("warning: cannot connect to the broker at amqp://")
+            && out.stderr.contains("127.0.0.1:1")
+            && out.stderr.contains("trying the next URL of the list"),
+        "{text}"
+    );
+    // Every node down: the last one's error, and no password of any.
+    let out = run(
+        &["dlq", "list", &queue],
+        &url_env(&format!("{down};amqp://{user}:Dn2pwDn2@127.0.0.1:2/%2f")),
+    );
+    let text = assert_hidden(&out, &["Dn1pwDn1", "Dn2pwDn2"]);
+    assert_ne!(out.code, 0, "{text}");
+    assert!(
+        out.stderr
+            .contains("error: cannot connect to the broker at"),
+        "{text}"
+    );
+    assert!(out.stderr.contains("127.0.0.1:2"), "{text}");
+}
+
 /// A password with every character that trips URL code, percent-encoded, refused by the
 /// broker.
 fn hostile_password() -> impl Strategy<Value = String> {
