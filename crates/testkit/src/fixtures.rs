@@ -76,6 +76,20 @@ pub fn management(base: &str, authorization: &str) -> Result<(), String> {
         .clone()
 }
 
+/// The test broker's management API base URL (`RABBITMQ_MGMT_URL`, or
+/// `http://127.0.0.1:15672`), once it answers; see [`management`].
+///
+/// # Errors
+///
+/// As [`management`].
+pub fn management_url() -> Result<String, String> {
+    let url =
+        std::env::var("RABBITMQ_MGMT_URL").unwrap_or_else(|_| "http://127.0.0.1:15672".into());
+    let client = crate::api::Client::new(&url);
+    management(client.base(), client.authorization())?;
+    Ok(url)
+}
+
 /// The broker the TLS tests use: its amqps and plain endpoints, its management API, and the
 /// directory of its test certificates.
 #[derive(Clone)]
@@ -324,7 +338,7 @@ fn ensure_tls() -> Result<Tls, String> {
         return Ok(Tls {
             url,
             amqp_url: crate::amqp_url(),
-            mgmt_url: crate::mgmt::url(),
+            mgmt_url: management_url()?,
             dir: dir.into(),
         });
     }
@@ -337,7 +351,7 @@ fn ensure_tls() -> Result<Tls, String> {
         mgmt_url: format!("http://127.0.0.1:{mgmt_port}"),
         dir: dir.clone(),
     };
-    let client = crate::mgmt::Client::new(&tls.mgmt_url);
+    let client = crate::api::Client::new(&tls.mgmt_url);
     let serving = || {
         probe("127.0.0.1", tls_port)?;
         overview(client.base(), client.authorization())

@@ -23,6 +23,7 @@ use lapin::options::{
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{BasicProperties, Channel, Connection, ConnectionProperties, ExchangeKind};
 
+mod api;
 pub mod examples;
 pub mod fixtures;
 pub mod http;
