@@ -4,15 +4,8 @@
 # themselves: crates/testkit/src/fixtures.rs).
 set -euo pipefail
 
-wait_for() { # $1 = description, rest = command; up to 90 s
-  local what=$1; shift
-  for _ in $(seq 1 90); do
-    if "$@" >/dev/null 2>&1; then return 0; fi
-    sleep 1
-  done
-  echo "timed out waiting for $what" >&2
-  return 1
-}
+# wait_for DESCRIPTION COMMAND...: up to 90 s.
+source "$(dirname "${BASH_SOURCE[0]}")/wait.sh"
 
 if ! rabbitmq-diagnostics -q ping >/dev/null 2>&1; then
   echo "RabbitMQ is not answering: starting it with rabbitmq-server -detached"

@@ -24,15 +24,8 @@ TEST_TLS="${TMPDIR:-/tmp}/redeliver-test-tls"
 log() { echo "new-machine: $*" >&2; }
 port_open() { (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
 
-wait_for() { # $1 = description, rest = command; up to 90 s
-  local what=$1; shift
-  for _ in $(seq 1 90); do
-    if "$@" >/dev/null 2>&1; then return 0; fi
-    sleep 1
-  done
-  log "timed out waiting for $what"
-  return 1
-}
+# wait_for DESCRIPTION COMMAND...: up to 90 s.
+source "$(dirname "${BASH_SOURCE[0]}")/wait.sh"
 
 reset() {
   local restart=""
