@@ -5,15 +5,15 @@ mod common;
 use std::collections::BTreeSet;
 use std::time::{Duration, Instant};
 
-use common::{counters, TestDb};
+use common::{context, counters, TestDb};
 use redeliver_postgres::{
-    pending, Outbox, OutboxMessage, Relay, OUTBOX_OLDEST_AGE_SECONDS, OUTBOX_PENDING,
+    pending, Inbox, Outbox, OutboxMessage, Relay, Tx, OUTBOX_OLDEST_AGE_SECONDS, OUTBOX_PENDING,
 };
 use redeliver_testkit::{drain_queue, Cleanup};
 use redeliver_worker::lapin::options::QueueDeclareOptions;
 use redeliver_worker::lapin::types::FieldTable;
 use redeliver_worker::lapin::Connection;
-use redeliver_worker::{CancellationToken, DelayConfig};
+use redeliver_worker::{CancellationToken, Context, DelayConfig, Handler, HandlerError, Raw};
 use sqlx::postgres::PgListener;
 
 /// A broker connection, a publisher and a unique queue (deleted when the guard drops).
@@ -336,4 +336,109 @@ async fn the_relay_reports_what_waits_in_its_gauges() {
     assert_eq!(count, Some(1.0), "pending gauge: the unroutable row waits");
     let age = age.expect("oldest age gauge");
     assert!((1.0..60.0).contains(&age), "oldest age {age} s");
+}
+
+/// A relay that dies after the broker confirmed its publish and before its transaction deleted
+/// the row: the row comes back, a later relay publishes it again under the same message id, and
+/// the consumer's inbox runs the handler for one of the two copies only.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relay_killed_after_the_confirm_publishes_again_and_the_inbox_runs_once() {
+    let db = TestDb::with_effects().await;
+    let (_cleanup, conn, publisher, queue) = broker().await;
+    let outbox = Outbox::new(db.schema.clone());
+    let mut tx = db.pool.begin().await.unwrap();
+    outbox
+        .store(
+            &mut tx,
+            &OutboxMessage::new("", queue.as_str(), b"once".to_vec()),
+        )
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+    // The relay's DELETE, which follows the broker's confirm, waits here until it is killed.
+    sqlx::raw_sql(&format!(
+        "CREATE FUNCTION {s}.hold() RETURNS trigger LANGUAGE plpgsql AS
+             $$ BEGIN PERFORM pg_sleep(60); RETURN OLD; END $$;
+         CREATE TRIGGER hold BEFORE DELETE ON {s}.outbox FOR EACH ROW EXECUTE FUNCTION {s}.hold();",
+        s = db.name
+    ))
+    .execute(&db.pool)
+    .await
+    .unwrap();
+
+    let token = CancellationToken::new();
+    let first =
+        tokio::spawn(Relay::new(db.pool.clone(), db.schema.clone(), publisher).run(token.clone()));
+    wait_for(&conn, &queue, 1).await;
+    // Killed as a crashed process is: its task gone first (so it cannot start another round),
+    // then its backend, still in the transaction, terminated.
+    first.abort();
+    let _ = first.await;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let killed: Vec<bool> = sqlx::query_scalar(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity
+              WHERE state = 'active' AND query LIKE 'DELETE%' AND query LIKE '%' || $1 || '%'
+                AND pid <> pg_backend_pid()",
+        )
+        .bind(&db.name)
+        .fetch_all(&db.pool)
+        .await
+        .unwrap();
+        if killed.contains(&true) {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the relay never reached its DELETE"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(db.count("outbox").await, 1, "the row survives the relay");
+
+    sqlx::raw_sql(&format!("DROP TRIGGER hold ON {}.outbox", db.name))
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    let publisher = redeliver_amqp::Publisher::new(&conn, DelayConfig::default())
+        .await
+        .unwrap();
+    let second =
+        tokio::spawn(Relay::new(db.pool.clone(), db.schema.clone(), publisher).run(token.clone()));
+    wait_for(&conn, &queue, 2).await;
+    token.cancel();
+    second.await.unwrap().expect("relay");
+    assert_eq!(db.count("outbox").await, 0);
+
+    let copies = drain_queue(&conn, &queue).await;
+    assert_eq!(copies.len(), 2, "published twice: at least once");
+    let id = copies[0].message_id();
+    assert!(!id.is_empty());
+    assert_eq!(copies[1].message_id(), id, "one message id for both copies");
+    let table = db.effects();
+    let inbox = Inbox::new(db.pool.clone(), "relay-killed")
+        .schema(db.schema.clone())
+        .handler_fn(move |m: Raw, ctx: Context, mut tx: Tx| {
+            let table = table.clone();
+            async move {
+                sqlx::query(&format!("INSERT INTO {table} (key, note) VALUES ($1, $2)"))
+                    .bind(ctx.message_id())
+                    .bind(String::from_utf8_lossy(&m))
+                    .execute(&mut *tx)
+                    .await
+                    .map_err(HandlerError::transient)?;
+                Ok(tx)
+            }
+        });
+    for copy in &copies {
+        inbox
+            .handle(Raw(copy.body.clone()), context(Some(&id), &[]))
+            .await
+            .expect("handled");
+    }
+    assert_eq!(
+        db.count("effects").await,
+        1,
+        "one effect for the two copies"
+    );
 }
