@@ -12,7 +12,7 @@ mod inbox_support;
 use std::collections::HashSet;
 use std::time::{Duration, Instant};
 
-use inbox_support::{deliveries, inbox_worker, EffectsDb};
+use inbox_support::{assert_end, inbox_worker, EffectsDb, End};
 use redeliver_testkit::reliability::{self, report, Nodes, Scenario, Shape};
 
 const N: usize = 1000;
@@ -70,21 +70,12 @@ async fn broker_restart_keeps_effects_exactly_once() {
         s.wait_settled(&set, Duration::from_secs(120)).await;
         assert!(w.is_running(), "the worker died:\n{}", w.log_tail(30));
         w.terminate(Duration::from_secs(10)).await;
-        let acc = s.account(&ids).await;
-        acc.assert_settled("inbox, broker app restarted");
-        assert_eq!(
-            acc.dead_lettered,
-            0,
-            "messages dead-lettered: {:?}",
-            acc.dlq_reasons()
-        );
-        let line = db
-            .assert_exactly_once("inbox, broker app restarted", &ids)
-            .await;
-        let dups = deliveries(&s)
-            .iter()
-            .filter(|d| d.outcome == "duplicate")
-            .count();
+        let End {
+            acc,
+            line,
+            duplicates: dups,
+            ..
+        } = assert_end(&s, db, &ids, "inbox, broker app restarted").await;
         report(format!(
             "RESULT fault=\"inbox: broker app restarted {RESTARTS} times\" broker=\"{}\" N={N} \
              lost={} dlq={} {line}; worker outages {outages:?}; {dups} deliveries found \

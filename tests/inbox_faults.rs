@@ -20,7 +20,7 @@ mod inbox_support;
 use std::collections::{BTreeMap, HashSet};
 use std::time::{Duration, Instant};
 
-use inbox_support::{deliveries, handler_calls, inbox_worker, EffectsDb};
+use inbox_support::{assert_end, deliveries, handler_calls, inbox_worker, EffectsDb};
 use redeliver::lapin::options::QueueDeclareOptions;
 use redeliver::lapin::types::FieldTable;
 use redeliver::postgres::{Outbox, OutboxMessage, Relay};
@@ -69,12 +69,9 @@ async fn killed_after_the_commit_before_the_ack_is_acked_without_running_again()
         let set: HashSet<String> = ids.iter().cloned().collect();
         s.wait_settled(&set, Duration::from_secs(60)).await;
         b.terminate(Duration::from_secs(10)).await;
-        let acc = s.account(&ids).await;
-        acc.assert_settled("killed after the commit");
-        assert_eq!(acc.dead_lettered, 0);
-        let line = db
-            .assert_exactly_once("killed after the commit", &ids)
-            .await;
+        let line = assert_end(&s, db, &ids, "killed after the commit")
+            .await
+            .line;
         assert_eq!(
             handler_calls(&s, &target),
             1,
@@ -121,12 +118,9 @@ async fn killed_before_the_commit_runs_the_handler_again_with_one_effect() {
         let set: HashSet<String> = ids.iter().cloned().collect();
         s.wait_settled(&set, Duration::from_secs(60)).await;
         b.terminate(Duration::from_secs(10)).await;
-        let acc = s.account(&ids).await;
-        acc.assert_settled("killed before the commit");
-        assert_eq!(acc.dead_lettered, 0);
-        let line = db
-            .assert_exactly_once("killed before the commit", &ids)
-            .await;
+        let line = assert_end(&s, db, &ids, "killed before the commit")
+            .await
+            .line;
         assert_eq!(
             handler_calls(&s, &target),
             2,
@@ -184,12 +178,9 @@ async fn the_same_message_to_two_workers_at_once_has_one_effect() {
         }
         a.terminate(Duration::from_secs(10)).await;
         b.terminate(Duration::from_secs(10)).await;
-        let acc = s.account(&ids).await;
-        acc.assert_settled("the same message twice");
-        assert_eq!(acc.dead_lettered, 0);
-        let line = db
-            .assert_exactly_once("the same message to two workers", &ids)
-            .await;
+        let line = assert_end(&s, db, &ids, "the same message to two workers")
+            .await
+            .line;
         let mut per_id: BTreeMap<String, Vec<inbox_support::Delivery>> = BTreeMap::new();
         for d in deliveries(&s) {
             per_id.entry(d.id.clone()).or_default().push(d);

@@ -13,7 +13,7 @@ mod inbox_support;
 use std::collections::HashSet;
 use std::time::{Duration, Instant};
 
-use inbox_support::{deliveries, inbox_worker, pg_ctlcluster, EffectsDb, START_POSTGRES};
+use inbox_support::{assert_end, inbox_worker, pg_ctlcluster, EffectsDb, End, START_POSTGRES};
 use redeliver_testkit::reliability::{report, Scenario, Shape};
 
 /// Starts PostgreSQL again when dropped, unless it runs.
@@ -95,23 +95,12 @@ async fn postgres_restarted_mid_run_keeps_effects_exactly_once() {
         );
         a.terminate(Duration::from_secs(10)).await;
         b.terminate(Duration::from_secs(10)).await;
-        let acc = s.account(&ids).await;
-        acc.assert_settled("PostgreSQL restarted");
-        assert_eq!(
-            acc.dead_lettered,
-            0,
-            "messages dead-lettered: {:?}",
-            acc.dlq_reasons()
-        );
-        let line = db.assert_exactly_once("PostgreSQL restarted", &ids).await;
-        let errors = deliveries(&s)
-            .iter()
-            .filter(|d| d.outcome == "error")
-            .count();
-        let dups = deliveries(&s)
-            .iter()
-            .filter(|d| d.outcome == "duplicate")
-            .count();
+        let End {
+            acc,
+            line,
+            duplicates: dups,
+            errors,
+        } = assert_end(&s, db, &ids, "PostgreSQL restarted").await;
         assert!(
             errors > 0,
             "no delivery failed: the restarts did not hit a transaction"

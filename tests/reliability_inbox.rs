@@ -17,7 +17,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use inbox_support::{deliveries, inbox_worker, EffectsDb};
+use inbox_support::{assert_end, inbox_worker, EffectsDb, End};
 use redeliver_testkit::reliability::{
     close_connections, connections_named, mgmt_url, report, Scenario, Shape, WorkerCmd, WorkerProc,
 };
@@ -190,24 +190,15 @@ async fn exactly_once_effects_under_the_fault_mix() {
         supervisor.await.expect("supervisor task");
         fleet.stop().await;
         settled.unwrap_or_else(|e| panic!("{e}"));
-        let acc = s.account(&ids).await;
-        acc.assert_settled("inbox under the fault mix");
-        assert_eq!(
-            acc.dead_lettered,
-            0,
-            "messages dead-lettered: {:?}",
-            acc.dlq_reasons()
-        );
-        let line = db
-            .assert_exactly_once("inbox under the fault mix", &ids)
-            .await;
+        let End {
+            acc,
+            line,
+            duplicates: dups,
+            ..
+        } = assert_end(&s, db, &ids, "inbox under the fault mix").await;
         let after = log_count(&s, "injected abort after the commit");
         let before = log_count(&s, "injected abort before the commit");
         let restarts = fleet.restarts.load(Ordering::SeqCst);
-        let dups = deliveries(&s)
-            .iter()
-            .filter(|d| d.outcome == "duplicate")
-            .count();
         let calls = s.calls().len();
         report(format!(
             "RESULT fault=\"exactly-once effects: {after} aborts after a commit, {before} before, \
@@ -290,21 +281,12 @@ async fn forced_connection_closes_keep_effects_exactly_once() {
         );
         a.terminate(Duration::from_secs(10)).await;
         b.terminate(Duration::from_secs(10)).await;
-        let acc = s.account(&ids).await;
-        acc.assert_settled("inbox, connections force-closed");
-        assert_eq!(
-            acc.dead_lettered,
-            0,
-            "messages dead-lettered: {:?}",
-            acc.dlq_reasons()
-        );
-        let line = db
-            .assert_exactly_once("inbox, connections force-closed", &ids)
-            .await;
-        let dups = deliveries(&s)
-            .iter()
-            .filter(|d| d.outcome == "duplicate")
-            .count();
+        let End {
+            acc,
+            line,
+            duplicates: dups,
+            ..
+        } = assert_end(&s, db, &ids, "inbox, connections force-closed").await;
         report(format!(
             "RESULT fault=\"inbox: {closed} broker connections force-closed in {rounds} rounds, \
              fail rate 0.3\" broker=\"{}\" N={N} lost={} dlq={} {line}; {dups} deliveries found \

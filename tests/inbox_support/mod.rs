@@ -7,7 +7,7 @@ use std::collections::{BTreeMap, HashSet};
 use std::path::PathBuf;
 
 use redeliver::postgres::Schema;
-use redeliver_testkit::reliability::{Scenario, WorkerCmd};
+use redeliver_testkit::reliability::{Accounting, Scenario, WorkerCmd};
 use sqlx::PgPool;
 
 pub use redeliver_testkit::postgres::{pool, START_POSTGRES};
@@ -147,6 +147,40 @@ pub fn deliveries(s: &Scenario) -> Vec<Delivery> {
             })
         })
         .collect()
+}
+
+/// How an inbox scenario ended, once [`assert_end`] found it right.
+pub struct End {
+    /// The harness's accounting of every id.
+    pub acc: Accounting,
+    /// [`EffectsDb::assert_exactly_once`]'s summary line.
+    pub line: String,
+    /// Deliveries the inbox found already processed (acked without the handler).
+    pub duplicates: usize,
+    /// Deliveries whose transaction failed (retried).
+    pub errors: usize,
+}
+
+/// The end every inbox fault scenario asserts: each of `ids` settled, none in the DLQ, exactly
+/// one effect row each. `what` names the scenario in the panics.
+pub async fn assert_end(s: &Scenario, db: &EffectsDb, ids: &[String], what: &str) -> End {
+    let acc = s.account(ids).await;
+    acc.assert_settled(what);
+    assert_eq!(
+        acc.dead_lettered,
+        0,
+        "{what}: messages dead-lettered: {:?}",
+        acc.dlq_reasons()
+    );
+    let line = db.assert_exactly_once(what, ids).await;
+    let ds = deliveries(s);
+    let count = |outcome: &str| ds.iter().filter(|d| d.outcome == outcome).count();
+    End {
+        duplicates: count("duplicate"),
+        errors: count("error"),
+        acc,
+        line,
+    }
 }
 
 /// Calls of the transactional handler for `id` (committed or not), from the calls file.
