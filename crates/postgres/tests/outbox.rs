@@ -9,7 +9,7 @@ use common::{context, counters, TestDb};
 use redeliver_postgres::{
     pending, Inbox, Outbox, OutboxMessage, Relay, Tx, OUTBOX_OLDEST_AGE_SECONDS, OUTBOX_PENDING,
 };
-use redeliver_testkit::{drain_queue, Cleanup};
+use redeliver_testkit::{drain_queue, eventually, Cleanup};
 use redeliver_worker::lapin::options::QueueDeclareOptions;
 use redeliver_worker::lapin::types::FieldTable;
 use redeliver_worker::lapin::Connection;
@@ -153,14 +153,11 @@ async fn rows_left_by_a_crash_are_published_when_a_relay_starts() {
     db.schema.migrate(&db.pool).await.unwrap();
     let (_cleanup, conn, publisher, queue) = broker().await;
     // Stored and committed while no relay ran (the one that would have published them died).
-    let outbox = Outbox::new(db.schema.clone());
     let mut ids = BTreeSet::new();
     for i in 0..5 {
         let m = OutboxMessage::new("", queue.as_str(), format!("{i}"));
         ids.insert(m.message_id.clone());
-        let mut tx = db.pool.begin().await.unwrap();
-        outbox.store(&mut tx, &m).await.unwrap();
-        tx.commit().await.unwrap();
+        db.store_committed(&[m]).await;
     }
     let p = pending(&db.pool, &db.schema).await.unwrap();
     assert_eq!(p.count, 5);
@@ -187,16 +184,12 @@ async fn an_unroutable_message_stays_for_the_next_round() {
     let db = TestDb::new().await;
     db.schema.migrate(&db.pool).await.unwrap();
     let (_cleanup, _conn, publisher, queue) = broker().await;
-    let outbox = Outbox::new(db.schema.clone());
-    let mut tx = db.pool.begin().await.unwrap();
-    outbox
-        .store(
-            &mut tx,
-            &OutboxMessage::new("", format!("{queue}-missing"), b"x".to_vec()),
-        )
-        .await
-        .unwrap();
-    tx.commit().await.unwrap();
+    db.store_committed(&[OutboxMessage::new(
+        "",
+        format!("{queue}-missing"),
+        b"x".to_vec(),
+    )])
+    .await;
     let relay = Relay::new(db.pool.clone(), db.schema.clone(), publisher);
     assert_eq!(relay.relay_once().await.expect("a round"), 1);
     assert_eq!(
@@ -212,15 +205,11 @@ async fn two_relays_publish_every_row() {
     let db = TestDb::new().await;
     db.schema.migrate(&db.pool).await.unwrap();
     let (_cleanup, conn, publisher, queue) = broker().await;
-    let outbox = Outbox::new(db.schema.clone());
-    let mut ids = BTreeSet::new();
-    let mut tx = db.pool.begin().await.unwrap();
-    for i in 0..N {
-        let m = OutboxMessage::new("", queue.as_str(), format!("{i}"));
-        ids.insert(m.message_id.clone());
-        outbox.store(&mut tx, &m).await.unwrap();
-    }
-    tx.commit().await.unwrap();
+    let messages: Vec<OutboxMessage> = (0..N)
+        .map(|i| OutboxMessage::new("", queue.as_str(), format!("{i}")))
+        .collect();
+    let ids: BTreeSet<String> = messages.iter().map(|m| m.message_id.clone()).collect();
+    db.store_committed(&messages).await;
     let second = redeliver_amqp::Publisher::new(&conn, DelayConfig::default())
         .await
         .unwrap();
@@ -294,24 +283,12 @@ async fn the_relay_reports_what_waits_in_its_gauges() {
     let db = TestDb::new().await;
     db.schema.migrate(&db.pool).await.unwrap();
     let (_cleanup, conn, publisher, queue) = broker().await;
-    let outbox = Outbox::new(db.schema.clone());
-    let mut tx = db.pool.begin().await.unwrap();
     // One the broker cannot route stays in the outbox round after round; one is published.
-    outbox
-        .store(
-            &mut tx,
-            &OutboxMessage::new("", format!("{queue}-missing"), b"stuck".to_vec()),
-        )
-        .await
-        .unwrap();
-    outbox
-        .store(
-            &mut tx,
-            &OutboxMessage::new("", queue.as_str(), b"sent".to_vec()),
-        )
-        .await
-        .unwrap();
-    tx.commit().await.unwrap();
+    db.store_committed(&[
+        OutboxMessage::new("", format!("{queue}-missing"), b"stuck".to_vec()),
+        OutboxMessage::new("", queue.as_str(), b"sent".to_vec()),
+    ])
+    .await;
     tokio::time::sleep(Duration::from_millis(1100)).await; // the stuck row ages
 
     let labels = format!("outbox={}.{}", db.schema.name(), db.schema.outbox_table());
@@ -322,15 +299,12 @@ async fn the_relay_reports_what_waits_in_its_gauges() {
             .run(token.clone()),
     );
     wait_for(&conn, &queue, 1).await;
-    let deadline = Instant::now() + Duration::from_secs(10);
-    let (count, age) = loop {
-        let count = counters.gauge(OUTBOX_PENDING, &labels);
-        let age = counters.gauge(OUTBOX_OLDEST_AGE_SECONDS, &labels);
-        if count == Some(1.0) || Instant::now() > deadline {
-            break (count, age);
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    };
+    eventually(Duration::from_secs(10), || {
+        counters.gauge(OUTBOX_PENDING, &labels) == Some(1.0)
+    })
+    .await;
+    let count = counters.gauge(OUTBOX_PENDING, &labels);
+    let age = counters.gauge(OUTBOX_OLDEST_AGE_SECONDS, &labels);
     token.cancel();
     relay.await.unwrap().expect("relay");
     assert_eq!(count, Some(1.0), "pending gauge: the unroutable row waits");
@@ -345,16 +319,8 @@ async fn the_relay_reports_what_waits_in_its_gauges() {
 async fn a_relay_killed_after_the_confirm_publishes_again_and_the_inbox_runs_once() {
     let db = TestDb::with_effects().await;
     let (_cleanup, conn, publisher, queue) = broker().await;
-    let outbox = Outbox::new(db.schema.clone());
-    let mut tx = db.pool.begin().await.unwrap();
-    outbox
-        .store(
-            &mut tx,
-            &OutboxMessage::new("", queue.as_str(), b"once".to_vec()),
-        )
-        .await
-        .unwrap();
-    tx.commit().await.unwrap();
+    db.store_committed(&[OutboxMessage::new("", queue.as_str(), b"once".to_vec())])
+        .await;
     // The relay's DELETE, which follows the broker's confirm, waits here until it is killed.
     sqlx::raw_sql(&format!(
         "CREATE FUNCTION {s}.hold() RETURNS trigger LANGUAGE plpgsql AS

@@ -6,7 +6,7 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
-use redeliver_postgres::Schema;
+use redeliver_postgres::{Outbox, OutboxMessage, Schema};
 use redeliver_worker::lapin::message::Delivery;
 use redeliver_worker::lapin::types::{AMQPValue, FieldTable, LongString};
 use redeliver_worker::lapin::BasicProperties;
@@ -47,6 +47,16 @@ impl TestDb {
         .await
         .expect("create effects");
         db
+    }
+
+    /// Stores `messages` in the outbox in one transaction, and commits it.
+    pub async fn store_committed(&self, messages: &[OutboxMessage]) {
+        let outbox = Outbox::new(self.schema.clone());
+        let mut tx = self.pool.begin().await.expect("begin");
+        for m in messages {
+            outbox.store(&mut tx, m).await.expect("store");
+        }
+        tx.commit().await.expect("commit");
     }
 
     pub async fn count(&self, table: &str) -> i64 {
