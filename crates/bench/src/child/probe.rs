@@ -74,7 +74,8 @@ pub struct Stat {
     /// Unix ns of the first and the latest delivery handled in this RUN (0: none yet).
     pub first_ns: u64,
     pub last_ns: u64,
-    /// CPU time of the process since the first delivery handled in this RUN, microseconds.
+    /// CPU time of the process since the first delivery handled in this RUN (since the RUN
+    /// until one is), microseconds.
     pub cpu_us: u64,
 }
 

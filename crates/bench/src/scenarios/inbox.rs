@@ -73,7 +73,7 @@ async fn one(ctx: &Ctx, pg: &PgCtx, side: Side, round: u32) -> Result<Throughput
             peak_rss_mib: mib(lat.hwm_kb),
             rss_delta_mib: mib(lat.hwm_kb.saturating_sub(lat.baseline_rss_kb)),
             cpu_us_per_msg: drain.cpu_us_per_msg(n),
-            setup_cpu_ms: drain.report.setup_cpu_us as f64 / 1000.0,
+            setup_cpu_ms: drain.setup_cpu_ms(),
             broker_cpu_us_per_msg: drain.broker_us_per_msg(n),
             db_cpu_us_per_msg: drain.db_us_per_msg(n),
         })

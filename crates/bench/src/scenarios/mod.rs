@@ -221,6 +221,10 @@ impl Drain {
     pub fn cpu_us_per_msg(&self, n: u64) -> f64 {
         self.report.cpu_us as f64 / n.max(1) as f64
     }
+    /// The consumer's CPU before its first delivery (not in the per-message figure), ms.
+    pub fn setup_cpu_ms(&self) -> f64 {
+        self.report.setup_cpu_us as f64 / 1000.0
+    }
     pub fn broker_us_per_msg(&self, n: u64) -> Option<f64> {
         self.broker_us.map(|b| b as f64 / n.max(1) as f64)
     }
