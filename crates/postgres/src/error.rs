@@ -67,9 +67,24 @@ pub enum Error {
         #[source]
         source: serde_json::Error,
     },
-    /// A publish of the relay failed in a way that leaves its publisher unusable (its channel
-    /// or connection is gone): create a new [`Publisher`](redeliver_amqp::Publisher) and a
-    /// new relay.
-    #[error("the relay's publisher is unusable: {0}")]
+    /// The relay cannot connect to the broker: a URL that is not one or TLS files that
+    /// cannot be read end [`Relay::run`](crate::Relay::run); an unreachable broker or a
+    /// refused login are retried.
+    #[error("cannot connect to the broker: {0}")]
+    Broker(#[source] redeliver_amqp::ConnectError),
+    /// The relay connected but could not open its publishing channels (retried).
+    #[error("cannot open the relay's publisher: {0}")]
     Publisher(#[source] redeliver_amqp::PublishError),
+}
+
+impl Error {
+    /// Whether waiting cannot fix it: everything but an unreachable broker or database.
+    pub(crate) fn is_fatal(&self) -> bool {
+        use redeliver_amqp::ConnectError;
+        match self {
+            Error::Broker(ConnectError::Url(_) | ConnectError::Tls(_)) => true,
+            Error::Broker(_) | Error::Publisher(_) => false,
+            _ => true,
+        }
+    }
 }

@@ -81,6 +81,8 @@
 mod error;
 mod inbox;
 mod outbox;
+mod parked;
+mod relay;
 mod schema;
 
 pub use error::{Error, IdentifierError};
@@ -88,9 +90,14 @@ pub use inbox::{
     Cleaned, Inbox, InboxFnHandler, InboxHandler, TransactionalHandler, Tx, INBOX_DUPLICATES_TOTAL,
     NO_IDEMPOTENCY_KEY, NO_MESSAGE_ID,
 };
-pub use outbox::{
-    pending, Outbox, OutboxMessage, Pending, Relay, OUTBOX_OLDEST_AGE_SECONDS, OUTBOX_PENDING,
+pub use outbox::{pending, Outbox, OutboxMessage, Pending};
+pub use parked::{ParkReason, ParkedFilter, ParkedRow, ParkedRows, ParkedStats};
+pub use relay::{
+    default_relay_policy, Relay, RelayState, RelayStatus, OUTBOX_OLDEST_AGE_SECONDS,
+    OUTBOX_PARKED, OUTBOX_PARKED_OLDEST_AGE_SECONDS, OUTBOX_PARKED_TOTAL, OUTBOX_PENDING,
+    OUTBOX_PUBLISHED_TOTAL, OUTBOX_REFUSED_TOTAL,
 };
+
 pub use schema::Schema;
 
 /// The sqlx this crate is built with: the pool and transaction types of its API are sqlx's, so

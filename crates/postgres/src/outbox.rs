@@ -1,24 +1,14 @@
-//! The outbox: messages stored by a transaction and published by a [`Relay`] after its commit.
+//! The outbox: messages stored by a transaction and published by a [`Relay`](crate::Relay) after its commit.
 
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use futures::future::join_all;
 use redeliver_amqp::lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 use redeliver_amqp::lapin::BasicProperties;
-use redeliver_amqp::{PublishError, Publisher};
-use sqlx::postgres::PgListener;
 use sqlx::{PgConnection, PgPool, Row};
-use tokio_util::sync::CancellationToken;
 
 use crate::error::Error;
 use crate::schema::Schema;
-
-/// Gauge: rows waiting in the outbox, as the relay last counted them (label `outbox`:
-/// `schema.table`).
-pub const OUTBOX_PENDING: &str = "redeliver_outbox_pending";
-/// Gauge: age in seconds of the oldest row waiting in the outbox (0 when it is empty).
-pub const OUTBOX_OLDEST_AGE_SECONDS: &str = "redeliver_outbox_oldest_age_seconds";
 
 /// A message to publish once the transaction that stores it commits.
 ///
@@ -99,7 +89,7 @@ impl OutboxMessage {
 
     /// Checks what AMQP carries as short strings (at most 255 bytes): exchange, routing key,
     /// message id, content type, header names.
-    fn check(&self) -> Result<(), Error> {
+    pub(crate) fn check(&self) -> Result<(), Error> {
         const MAX: usize = 255;
         let fields = [
             ("exchange", self.exchange.as_str()),
@@ -126,7 +116,7 @@ impl OutboxMessage {
 
     /// The AMQP properties of every publish of this message: message id, content type (when
     /// set), headers, persistent delivery mode.
-    fn properties(&self) -> BasicProperties {
+    pub(crate) fn properties(&self) -> BasicProperties {
         let mut props = BasicProperties::default()
             .with_message_id(ShortString::from(self.message_id.as_str()))
             .with_delivery_mode(2);
@@ -241,258 +231,72 @@ impl Default for Outbox {
 /// What waits in an outbox ([`pending`]).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Pending {
-    /// Rows not yet published.
+    /// Rows the relay will publish: not yet published, not parked (the retrying ones included).
     pub count: u64,
     /// Age of the oldest of them; `None` when there is none.
     pub oldest_age: Option<Duration>,
+    /// Of `count`, the rows the broker refused at least once, waiting for their next attempt.
+    pub retrying: u64,
+    /// Rows the relay gave up on, waiting for an operator ([`ParkedRows`](crate::ParkedRows)).
+    pub parked: u64,
+    /// How long ago the earliest parked row was parked; `None` when none is.
+    pub oldest_parked_age: Option<Duration>,
 }
 
-/// Counts the rows waiting in the outbox of `schema` and the age of the oldest.
+/// Counts the rows waiting in the outbox of `schema` (to be published, retrying, parked) and
+/// the age of the oldest.
 ///
 /// A missing table (nothing migrated that schema yet) is [`Error::MissingTable`].
 ///
 /// ```no_run
 /// # async fn demo(pool: sqlx::PgPool) -> Result<(), redeliver_postgres::Error> {
 /// let p = redeliver_postgres::pending(&pool, &redeliver_postgres::Schema::default()).await?;
-/// println!("{} waiting, oldest {:?}", p.count, p.oldest_age);
+/// println!("{} waiting, oldest {:?}, {} parked", p.count, p.oldest_age, p.parked);
 /// # Ok(()) }
 /// ```
 pub async fn pending(pool: &PgPool, schema: &Schema) -> Result<Pending, Error> {
     let row = sqlx::query(&format!(
-        "SELECT count(*), extract(epoch FROM now() - min(created_at))::float8 FROM {}",
+        "SELECT count(*) FILTER (WHERE parked_at IS NULL),
+                extract(epoch FROM now() - min(created_at) FILTER (WHERE parked_at IS NULL))::float8,
+                count(*) FILTER (WHERE parked_at IS NULL AND attempts > 0),
+                count(*) FILTER (WHERE parked_at IS NOT NULL),
+                extract(epoch FROM now() - min(parked_at))::float8
+           FROM {}",
         schema.outbox_sql()
     ))
     .fetch_one(pool)
     .await
-    .map_err(|e| match &e {
+    .map_err(|e| missing_table(schema, e))?;
+    let count = |i: usize| -> Result<u64, Error> {
+        Ok(u64::try_from(row.try_get::<i64, _>(i)?).unwrap_or(0))
+    };
+    let age = |i: usize| -> Result<Option<Duration>, Error> {
+        let secs: Option<f64> = row.try_get(i)?;
+        Ok(secs.map(|s| Duration::try_from_secs_f64(s.max(0.0)).unwrap_or(Duration::MAX)))
+    };
+    Ok(Pending {
+        count: count(0)?,
+        oldest_age: age(1)?,
+        retrying: count(2)?,
+        parked: count(3)?,
+        oldest_parked_age: age(4)?,
+    })
+}
+
+/// `e`, or [`Error::MissingTable`] when it says the outbox table (or its schema) is missing.
+pub(crate) fn missing_table(schema: &Schema, e: sqlx::Error) -> Error {
+    match &e {
         // undefined_table: the table, or its whole schema.
         sqlx::Error::Database(db) if db.code().as_deref() == Some("42P01") => Error::MissingTable {
             table: format!("{}.{}", schema.name(), schema.outbox_table()),
         },
         _ => Error::Database(e),
-    })?;
-    let count: i64 = row.try_get(0)?;
-    let age: Option<f64> = row.try_get(1)?;
-    Ok(Pending {
-        count: u64::try_from(count).unwrap_or(0),
-        oldest_age: age.map(|s| Duration::from_secs_f64(s.max(0.0))),
-    })
-}
-
-/// Publishes what transactions stored in the outbox, after their commit, and deletes it.
-///
-/// Each round: `BEGIN`; take up to [`batch_size`](Self::batch_size) rows in id order with
-/// `FOR UPDATE SKIP LOCKED` (so several relays share the work, never a row); publish each
-/// through the confirmed [`Publisher`] (mandatory: a nacked or unroutable publish is an error)
-/// with the row's message id; delete the rows the broker confirmed; `COMMIT`. A publish that
-/// fails leaves its row for a later round (logged), so a message is published at least once:
-/// twice when the relay dies between the broker's confirm and the commit. Within a round the
-/// publishes are concurrent, so the broker may receive them out of id order.
-///
-/// The relay `LISTEN`s on the schema's [channel](Schema::notify_channel), so it runs a round as
-/// soon as a transaction that stored a message commits, and polls every
-/// [`poll_interval`](Self::poll_interval) as well (missed notifications, rows left after a
-/// crash). It sets [`OUTBOX_PENDING`] and [`OUTBOX_OLDEST_AGE_SECONDS`] after each round.
-///
-/// ```no_run
-/// use redeliver_postgres::{Relay, Schema};
-///
-/// # async fn demo(pool: sqlx::PgPool, publisher: redeliver_amqp::Publisher) -> Result<(), redeliver_postgres::Error> {
-/// let token = tokio_util::sync::CancellationToken::new();
-/// Relay::new(pool, Schema::default(), publisher).run(token).await?;
-/// # Ok(()) }
-/// ```
-#[derive(Debug, Clone)]
-pub struct Relay {
-    pool: PgPool,
-    schema: Schema,
-    publisher: Publisher,
-    batch_size: u32,
-    poll_interval: Duration,
-}
-
-/// A row taken by a round.
-struct Taken {
-    id: i64,
-    message: OutboxMessage,
-}
-
-impl Relay {
-    /// A relay of `schema`'s outbox publishing through `publisher`; 100 rows a round, polling
-    /// every second.
-    pub fn new(pool: PgPool, schema: Schema, publisher: Publisher) -> Self {
-        Self {
-            pool,
-            schema,
-            publisher,
-            batch_size: 100,
-            poll_interval: Duration::from_secs(1),
-        }
-    }
-
-    /// Rows taken per round (at least 1; default 100).
-    pub fn batch_size(mut self, n: u32) -> Self {
-        self.batch_size = n.max(1);
-        self
-    }
-
-    /// How often the relay looks at the table without a notification (default 1 s).
-    pub fn poll_interval(mut self, d: Duration) -> Self {
-        self.poll_interval = d;
-        self
-    }
-
-    /// Prepares the schema ([`Schema::prepare`]), then relays until `token` is cancelled.
-    /// The `LISTEN` holds one connection of the pool for as long as the relay runs.
-    ///
-    /// Returns an error when the schema cannot be prepared, when the pool was closed, or when
-    /// the publisher became unusable ([`Error::Publisher`]); database errors in a round are
-    /// logged and the round is tried again at the next poll.
-    pub async fn run(self, token: CancellationToken) -> Result<(), Error> {
-        self.schema.prepare(&self.pool).await?;
-        let channel = self.schema.notify_channel();
-        let mut listener = match self.listen(&channel).await {
-            Ok(l) => Some(l),
-            Err(e) => {
-                tracing::warn!(error = %e, channel = %channel, "cannot LISTEN; the relay polls only");
-                None
-            }
-        };
-        loop {
-            if self.pool.is_closed() {
-                return Err(Error::Database(sqlx::Error::PoolClosed));
-            }
-            // Drain: a full round suggests more rows wait.
-            loop {
-                match self.relay_once().await {
-                    Ok(n) if n == self.batch_size as usize => {
-                        if token.is_cancelled() {
-                            return Ok(());
-                        }
-                    }
-                    Ok(_) => break,
-                    Err(Error::Publisher(e)) => return Err(Error::Publisher(e)),
-                    Err(e) => {
-                        tracing::warn!(error = %e, "outbox relay round failed; trying again at the next poll");
-                        break;
-                    }
-                }
-            }
-            self.update_gauges().await;
-            let wait = async {
-                match listener.as_mut() {
-                    Some(l) => match l.recv().await {
-                        // One round serves every commit notified so far.
-                        Ok(_) => while l.next_buffered().is_some() {},
-                        Err(e) => {
-                            // sqlx reconnects on the next recv; poll meanwhile.
-                            tracing::warn!(error = %e, "outbox notification listener failed");
-                            tokio::time::sleep(self.poll_interval).await;
-                        }
-                    },
-                    None => std::future::pending().await,
-                }
-            };
-            tokio::select! {
-                () = token.cancelled() => return Ok(()),
-                () = wait => {}
-                () = tokio::time::sleep(self.poll_interval) => {}
-            }
-        }
-    }
-
-    async fn listen(&self, channel: &str) -> Result<PgListener, sqlx::Error> {
-        let mut listener = PgListener::connect_with(&self.pool).await?;
-        listener.listen(channel).await?;
-        Ok(listener)
-    }
-
-    async fn update_gauges(&self) {
-        match pending(&self.pool, &self.schema).await {
-            Ok(p) => {
-                let label = format!("{}.{}", self.schema.name(), self.schema.outbox_table());
-                metrics::gauge!(OUTBOX_PENDING, "outbox" => label.clone()).set(p.count as f64);
-                metrics::gauge!(OUTBOX_OLDEST_AGE_SECONDS, "outbox" => label)
-                    .set(p.oldest_age.map_or(0.0, |d| d.as_secs_f64()));
-            }
-            Err(e) => tracing::warn!(error = %e, "cannot count the outbox"),
-        }
-    }
-
-    /// One round: publishes up to [`batch_size`](Self::batch_size) rows not locked by another
-    /// relay, deletes those the broker confirmed, and returns how many rows it took (published
-    /// or not). Does not prepare the schema.
-    pub async fn relay_once(&self) -> Result<usize, Error> {
-        let mut tx = self.pool.begin().await?;
-        let rows = sqlx::query(&format!(
-            "SELECT id, message_id, exchange, routing_key, body, content_type, headers::text
-             FROM {} ORDER BY id LIMIT $1 FOR UPDATE SKIP LOCKED",
-            self.schema.outbox_sql()
-        ))
-        .bind(i64::from(self.batch_size))
-        .fetch_all(&mut *tx)
-        .await?;
-        let taken = rows.len();
-        if taken == 0 {
-            tx.rollback().await?;
-            return Ok(0);
-        }
-        let mut ready = Vec::with_capacity(taken);
-        for row in &rows {
-            match read_row(row) {
-                Ok(r) => ready.push(r),
-                Err(e) => tracing::error!(error = %e, "outbox row left unpublished"),
-            }
-        }
-        let results = join_all(ready.iter().map(|r| {
-            self.publisher.publish_bytes(
-                &r.message.exchange,
-                &r.message.routing_key,
-                &r.message.body,
-                r.message.properties(),
-            )
-        }))
-        .await;
-        let mut published = Vec::with_capacity(taken);
-        let mut dead = None;
-        for (r, result) in ready.iter().zip(results) {
-            match result {
-                Ok(()) => published.push(r.id),
-                Err(e) => {
-                    tracing::warn!(
-                        id = r.id,
-                        message_id = %r.message.message_id,
-                        exchange = %r.message.exchange,
-                        routing_key = %r.message.routing_key,
-                        error = %e,
-                        "outbox message not confirmed; it stays for the next round"
-                    );
-                    if matches!(e, PublishError::Amqp(_))
-                        && !self.publisher.channel().status().connected()
-                    {
-                        dead = Some(e);
-                    }
-                }
-            }
-        }
-        if !published.is_empty() {
-            sqlx::query(&format!(
-                "DELETE FROM {} WHERE id = ANY($1)",
-                self.schema.outbox_sql()
-            ))
-            .bind(&published)
-            .execute(&mut *tx)
-            .await?;
-        }
-        tx.commit().await?;
-        match dead {
-            Some(e) => Err(Error::Publisher(e)),
-            None => Ok(taken),
-        }
     }
 }
 
-fn read_row(row: &sqlx::postgres::PgRow) -> Result<Taken, Error> {
+/// The message of an outbox row (columns `id`, `message_id`, `exchange`, `routing_key`,
+/// `body`, `content_type`, `headers` as text).
+pub(crate) fn read_message(row: &sqlx::postgres::PgRow) -> Result<OutboxMessage, Error> {
     let id: i64 = row.try_get("id")?;
     let headers: Option<String> = row.try_get("headers")?;
     let headers = match headers {
@@ -501,15 +305,12 @@ fn read_row(row: &sqlx::postgres::PgRow) -> Result<Taken, Error> {
         }
         None => BTreeMap::new(),
     };
-    Ok(Taken {
-        id,
-        message: OutboxMessage {
-            exchange: row.try_get("exchange")?,
-            routing_key: row.try_get("routing_key")?,
-            body: row.try_get("body")?,
-            content_type: row.try_get("content_type")?,
-            headers,
-            message_id: row.try_get("message_id")?,
-        },
+    Ok(OutboxMessage {
+        exchange: row.try_get("exchange")?,
+        routing_key: row.try_get("routing_key")?,
+        body: row.try_get("body")?,
+        content_type: row.try_get("content_type")?,
+        headers,
+        message_id: row.try_get("message_id")?,
     })
 }

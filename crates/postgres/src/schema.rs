@@ -29,11 +29,18 @@ const INBOX_MIGRATIONS: &[Migration] = &[Migration {
     sql: include_str!("../migrations/inbox_0001_create.sql"),
 }];
 
-const OUTBOX_MIGRATIONS: &[Migration] = &[Migration {
-    version: 1,
-    name: "create",
-    sql: include_str!("../migrations/outbox_0001_create.sql"),
-}];
+const OUTBOX_MIGRATIONS: &[Migration] = &[
+    Migration {
+        version: 1,
+        name: "create",
+        sql: include_str!("../migrations/outbox_0001_create.sql"),
+    },
+    Migration {
+        version: 2,
+        name: "retry",
+        sql: include_str!("../migrations/outbox_0002_retry.sql"),
+    },
+];
 
 /// The PostgreSQL schema and table names of the inbox and the outbox, and whether the crate
 /// creates them.
@@ -340,6 +347,11 @@ impl Schema {
             "content_type",
             "headers",
             "created_at",
+            "attempts",
+            "next_attempt_at",
+            "last_error",
+            "parked_at",
+            "parked_reason",
         ];
         for (table, columns) in [(&self.inbox, INBOX), (&self.outbox, OUTBOX)] {
             let found: HashSet<String> = sqlx::query(
