@@ -28,7 +28,9 @@
 //!
 //! Only the database is needed to accept requests: while the broker is unreachable the jobs
 //! wait in the outbox (`redeliver outbox status` counts them) and the relay reconnects with
-//! backoff, then publishes them, each with the message id stored with it. `/livez` answers
+//! backoff, then publishes them, each with the message id stored with it. A job the broker
+//! refuses (no queue bound) is tried again with backoff and, after the relay's policy, parked:
+//! `redeliver outbox parked list` shows it, `replay` publishes it again. `/livez` answers
 //! while the process runs, `/readyz` while the database does.
 
 #[path = "common/logging.rs"]
@@ -45,10 +47,9 @@ use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::Router;
-use redeliver::lapin::ConnectionProperties;
 use redeliver::postgres::{Outbox, OutboxMessage, Relay, Schema};
 use redeliver::worker::env::ServiceSettings;
-use redeliver::{CancellationToken, Publisher, Settings, Topology, WorkerBuilder};
+use redeliver::{CancellationToken, Settings, Topology, WorkerBuilder};
 use serde::{Deserialize, Serialize};
 use serde_json::json;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
@@ -62,8 +63,8 @@ const DEFAULT_QUEUE: &str = "images";
 /// The widest image accepted (the table's CHECK, in its message).
 const MAX_WIDTH: i64 = 20_000;
 const MAX_URL_LEN: usize = 2048;
-/// Longest pause between two attempts of the relay to reach the broker.
-const MAX_RELAY_BACKOFF: Duration = Duration::from_secs(30);
+/// Longest pause between two attempts to declare the queue's topology.
+const MAX_DECLARE_BACKOFF: Duration = Duration::from_secs(30);
 
 /// What the environment configures.
 struct Config {
@@ -318,73 +319,41 @@ async fn create_images_table(pool: &PgPool, schema: &str) -> anyhow::Result<()> 
     Ok(())
 }
 
-/// Publishes the outbox until `token` is cancelled, reconnecting to the broker with backoff
-/// whenever the connection or the relay fails: the web requests never wait for the broker.
-async fn relay_forever(
-    pool: PgPool,
-    schema: Schema,
-    broker: Settings,
-    topology: Topology,
-    token: CancellationToken,
-) {
+/// Declares the queue's topology once the broker answers, retrying with backoff meanwhile: as
+/// examples/publish.rs, jobs can be accepted before the worker ever ran, and they wait in the
+/// queue rather than be refused as unroutable (which the relay would retry, then park).
+async fn declare_when_reachable(broker: Settings, topology: Topology, token: CancellationToken) {
+    let url = redeliver::amqp::url::redact(broker.url());
     let mut backoff = Duration::from_millis(100);
     while !token.is_cancelled() {
-        match relay_once_connected(&pool, &schema, &broker, &topology, &token, &mut backoff).await {
+        let declared = async {
+            let conn = tokio::time::timeout(
+                Duration::from_secs(10),
+                redeliver::amqp::connect(broker.url(), Default::default(), broker.tls()),
+            )
+            .await
+            .map_err(|_| anyhow!("no answer within 10 s"))?
+            .map_err(anyhow::Error::from)?;
+            let declared = topology.declare(&conn).await;
+            let _ = conn.close(200, "topology declared".into()).await;
+            declared.context("declaring the queue's topology")
+        }
+        .await;
+        match declared {
             Ok(()) => return,
             Err(e) => tracing::warn!(
+                broker = %url,
                 error = format!("{e:#}"),
                 retry_in = ?backoff,
-                "the outbox relay stopped; jobs wait in the outbox until it reconnects"
+                "cannot declare the queue yet; jobs wait in the outbox meanwhile"
             ),
         }
         tokio::select! {
             () = token.cancelled() => return,
             () = tokio::time::sleep(backoff) => {}
         }
-        backoff = (backoff * 2).min(MAX_RELAY_BACKOFF);
+        backoff = (backoff * 2).min(MAX_DECLARE_BACKOFF);
     }
-}
-
-/// One connection's life: connect, declare the queue's topology, relay until cancelled (Ok) or
-/// until the connection or the database fails (Err).
-async fn relay_once_connected(
-    pool: &PgPool,
-    schema: &Schema,
-    broker: &Settings,
-    topology: &Topology,
-    token: &CancellationToken,
-    backoff: &mut Duration,
-) -> anyhow::Result<()> {
-    let url = redeliver::amqp::url::redact(broker.url());
-    let name = broker.connection_name().unwrap_or("outbox-web-relay");
-    let props = ConnectionProperties::default().with_connection_name(name.into());
-    let conn = tokio::time::timeout(
-        Duration::from_secs(10),
-        redeliver::amqp::connect(broker.url(), props, broker.tls()),
-    )
-    .await
-    .map_err(|_| anyhow!("no answer within 10 s"))
-    .and_then(|r| r.map_err(anyhow::Error::from))
-    .with_context(|| format!("cannot reach RabbitMQ at {url}"))?;
-    let result = async {
-        // As examples/publish.rs: jobs can be accepted before the worker ever ran.
-        topology
-            .declare(&conn)
-            .await
-            .context("declaring the queue's topology")?;
-        let publisher = Publisher::new(&conn, topology.delay_config().clone())
-            .await
-            .context("opening the publisher")?;
-        *backoff = Duration::from_millis(100);
-        tracing::info!(queue = %topology.queue_name(), broker = %url, "relaying the outbox");
-        Relay::new(pool.clone(), schema.clone(), publisher)
-            .run(token.clone())
-            .await
-            .context("outbox relay")
-    }
-    .await;
-    let _ = conn.close(200, "outbox-web done".into()).await;
-    result
 }
 
 /// Cancels `token` on SIGINT or SIGTERM.
@@ -464,13 +433,31 @@ async fn run() -> anyhow::Result<()> {
 
     let token = CancellationToken::new();
     cancel_on_signal(token.clone())?;
-    let relay = tokio::spawn(relay_forever(
-        pool.clone(),
-        cfg.outbox_schema.clone(),
+    tokio::spawn(declare_when_reachable(
         cfg.broker.clone(),
         topology,
         token.clone(),
     ));
+    // The relay connects (and reconnects) to the broker itself; it ends only when cancelled or
+    // on a setting waiting cannot fix, which then stops the service.
+    let relay = Relay::new(pool.clone(), cfg.broker.url())
+        .failover_urls(cfg.broker.failover_urls().iter().cloned())
+        .tls(cfg.broker.tls().clone())
+        .connection_name(
+            cfg.broker
+                .connection_name()
+                .unwrap_or("outbox-web-relay")
+                .to_owned(),
+        )
+        .schema(cfg.outbox_schema.clone());
+    let relay = tokio::spawn({
+        let token = token.clone();
+        async move {
+            let result = relay.run(token.clone()).await;
+            token.cancel();
+            result
+        }
+    });
 
     let router = Router::new()
         .route("/images", post(create_image))
@@ -500,11 +487,12 @@ async fn run() -> anyhow::Result<()> {
         .context("serving HTTP");
     // The HTTP server may also stop on an error: the relay must stop with it.
     token.cancel();
-    if let Err(e) = relay.await {
-        tracing::error!(error = %e, "the relay task failed");
-    }
+    let relayed = match relay.await {
+        Ok(r) => r.context("the outbox relay"),
+        Err(e) => Err(anyhow!("the relay task failed: {e}")),
+    };
     pool.close().await;
-    served
+    served.and(relayed)
 }
 
 /// `DATABASE_URL` without its password, for messages.

@@ -24,7 +24,7 @@ use inbox_support::{assert_end, deliveries, handler_calls, inbox_worker, Effects
 use redeliver::lapin::options::QueueDeclareOptions;
 use redeliver::lapin::types::FieldTable;
 use redeliver::postgres::{Outbox, OutboxMessage, Relay};
-use redeliver::{CancellationToken, Publisher};
+use redeliver::CancellationToken;
 use redeliver_testkit::reliability::{report, Scenario, Shape, WorkerProc};
 
 /// Waits until the process exited on its own (the injected abort).
@@ -287,12 +287,10 @@ async fn an_outbox_row_committed_by_a_killed_process_is_published_once_by_a_late
         assert_eq!(s.queue_state(&out).await.0, 0, "published without a relay");
 
         // A relay started now publishes what the dead process committed, and the rest.
-        let publisher = Publisher::new(&s.connection(), s.delay().clone())
-            .await
-            .expect("a publisher");
         let token = CancellationToken::new();
         let relay = tokio::spawn(
-            Relay::new(db.pool.clone(), db.schema.clone(), publisher)
+            Relay::new(db.pool.clone(), s.shape.url.clone())
+                .schema(db.schema.clone())
                 .poll_interval(Duration::from_millis(200))
                 .run(token.clone()),
         );
@@ -358,16 +356,11 @@ async fn a_rolled_back_transaction_publishes_nothing() {
             .await
             .expect("store");
         tx.rollback().await.expect("rollback");
-        let publisher = Publisher::new(&s.connection(), s.delay().clone())
-            .await
-            .expect("a publisher");
-        let relay = Relay::new(db.pool.clone(), db.schema.clone(), publisher);
-        assert_eq!(relay.relay_once().await.expect("a relay round"), 0);
-        // A whole relay run too (its LISTEN, its poll), not only one round.
+        // A whole relay run (its rounds, its LISTEN, its poll).
         let token = CancellationToken::new();
         let run = tokio::spawn(
-            relay
-                .clone()
+            Relay::new(db.pool.clone(), s.shape.url.clone())
+                .schema(db.schema.clone())
                 .poll_interval(Duration::from_millis(100))
                 .run(token.clone()),
         );
@@ -395,7 +388,7 @@ async fn a_rolled_back_transaction_publishes_nothing() {
         assert_eq!(db.outbox_rows().await, 0);
         report(format!(
             "RESULT fault=\"outbox: rolled-back transaction\" broker=\"{}\" nothing published \
-             after a relay round and 800 ms of a running relay; the committed control message \
+             after 800 ms of a running relay; the committed control message \
              published once",
             s.broker
         ));

@@ -19,6 +19,11 @@
 //!   A rolled-back transaction stores nothing and wakes no relay. A relay that dies between
 //!   the broker's confirm and its own commit publishes the message again, with the same
 //!   `message_id`, which a consumer behind an inbox then skips.
+//! - **Every committed outbox row ends published or parked.** A row the broker refuses
+//!   (unroutable, nacked, a missing exchange, no confirm in time) is tried again with backoff
+//!   ([`Relay::policy`]) while the rows behind it go on, and after the policy's last retry it
+//!   is parked in its table for an operator ([`ParkedRows`], `redeliver outbox parked`), never
+//!   deleted unpublished.
 //! - **Effects outside the database** (an HTTP call, an email) stay at least once: the
 //!   handler may run again after a rollback or a failed commit. Give such calls an
 //!   idempotency key (the message id).
@@ -58,14 +63,13 @@
 //! let token = CancellationToken::new();
 //! inbox.spawn_cleanup(token.clone());
 //!
-//! let conn = redeliver_amqp::connect(
-//!     "amqp://127.0.0.1:5672/%2f",
-//!     Default::default(),
-//!     &Default::default(),
-//! )
-//! .await?;
-//! let publisher = redeliver_amqp::Publisher::new(&conn, Default::default()).await?;
-//! tokio::spawn(Relay::new(pool, Schema::default(), publisher).run(token.clone()));
+//! // Publishes what handlers store with `Tx::publish`, after their commit; it connects to the
+//! // broker itself and reconnects. A row the broker refuses is retried, then parked.
+//! tokio::spawn(
+//!     Relay::new(pool, "amqp://127.0.0.1:5672/%2f")
+//!         .schema(Schema::default())
+//!         .run(token.clone()),
+//! );
 //!
 //! Worker::builder("amqp://127.0.0.1:5672/%2f")
 //!     .queue("records")
@@ -93,9 +97,9 @@ pub use inbox::{
 pub use outbox::{pending, Outbox, OutboxMessage, Pending};
 pub use parked::{ParkReason, ParkedFilter, ParkedRow, ParkedRows, ParkedStats};
 pub use relay::{
-    default_relay_policy, Relay, RelayState, RelayStatus, OUTBOX_OLDEST_AGE_SECONDS,
-    OUTBOX_PARKED, OUTBOX_PARKED_OLDEST_AGE_SECONDS, OUTBOX_PARKED_TOTAL, OUTBOX_PENDING,
-    OUTBOX_PUBLISHED_TOTAL, OUTBOX_REFUSED_TOTAL,
+    default_relay_policy, Relay, RelayState, RelayStatus, OUTBOX_OLDEST_AGE_SECONDS, OUTBOX_PARKED,
+    OUTBOX_PARKED_OLDEST_AGE_SECONDS, OUTBOX_PARKED_TOTAL, OUTBOX_PENDING, OUTBOX_PUBLISHED_TOTAL,
+    OUTBOX_REFUSED_TOTAL,
 };
 
 pub use schema::Schema;

@@ -13,11 +13,16 @@ use redeliver_testkit::{drain_queue, eventually, Cleanup};
 use redeliver_worker::lapin::options::QueueDeclareOptions;
 use redeliver_worker::lapin::types::FieldTable;
 use redeliver_worker::lapin::Connection;
-use redeliver_worker::{CancellationToken, Context, DelayConfig, Handler, HandlerError, Raw};
+use redeliver_worker::{CancellationToken, Context, Handler, HandlerError, Raw};
 use sqlx::postgres::PgListener;
 
-/// A broker connection, a publisher and a unique queue (deleted when the guard drops).
-async fn broker() -> (Cleanup, Connection, redeliver_amqp::Publisher, String) {
+/// A relay of `db`'s outbox on the test broker.
+fn relay(db: &TestDb) -> Relay {
+    Relay::new(db.pool.clone(), redeliver_testkit::amqp_url()).schema(db.schema.clone())
+}
+
+/// A broker connection and a unique queue (deleted when the guard drops).
+async fn broker() -> (Cleanup, Connection, String) {
     let prefix = redeliver_testkit::unique_prefix("rdpg-", 8, "-");
     let cleanup = Cleanup(prefix.clone());
     let conn = redeliver_testkit::connect().await;
@@ -34,10 +39,7 @@ async fn broker() -> (Cleanup, Connection, redeliver_amqp::Publisher, String) {
     .await
     .unwrap();
     let _ = ch.close(200, "ok".into()).await;
-    let publisher = redeliver_amqp::Publisher::new(&conn, DelayConfig::default())
-        .await
-        .unwrap();
-    (cleanup, conn, publisher, queue)
+    (cleanup, conn, queue)
 }
 
 async fn wait_for(conn: &Connection, queue: &str, n: u32) {
@@ -83,11 +85,11 @@ async fn a_rolled_back_transaction_stores_and_notifies_nothing() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_committed_message_is_published_as_stored_then_deleted() {
     let db = TestDb::new().await;
-    let (_cleanup, conn, publisher, queue) = broker().await;
+    let (_cleanup, conn, queue) = broker().await;
     let token = CancellationToken::new();
     // A long poll: only the notification can make the relay publish quickly.
     let relay = tokio::spawn(
-        Relay::new(db.pool.clone(), db.schema.clone(), publisher)
+        relay(&db)
             .poll_interval(Duration::from_secs(60))
             .run(token.clone()),
     );
@@ -151,7 +153,7 @@ async fn a_committed_message_is_published_as_stored_then_deleted() {
 async fn rows_left_by_a_crash_are_published_when_a_relay_starts() {
     let db = TestDb::new().await;
     db.schema.migrate(&db.pool).await.unwrap();
-    let (_cleanup, conn, publisher, queue) = broker().await;
+    let (_cleanup, conn, queue) = broker().await;
     // Stored and committed while no relay ran (the one that would have published them died).
     let mut ids = BTreeSet::new();
     for i in 0..5 {
@@ -164,8 +166,7 @@ async fn rows_left_by_a_crash_are_published_when_a_relay_starts() {
     assert!(p.oldest_age.is_some());
 
     let token = CancellationToken::new();
-    let relay =
-        tokio::spawn(Relay::new(db.pool.clone(), db.schema.clone(), publisher).run(token.clone()));
+    let relay = tokio::spawn(relay(&db).run(token.clone()));
     wait_for(&conn, &queue, 5).await;
     token.cancel();
     relay.await.unwrap().expect("relay");
@@ -180,45 +181,21 @@ async fn rows_left_by_a_crash_are_published_when_a_relay_starts() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_unroutable_message_stays_for_the_next_round() {
-    let db = TestDb::new().await;
-    db.schema.migrate(&db.pool).await.unwrap();
-    let (_cleanup, _conn, publisher, queue) = broker().await;
-    db.store_committed(&[OutboxMessage::new(
-        "",
-        format!("{queue}-missing"),
-        b"x".to_vec(),
-    )])
-    .await;
-    let relay = Relay::new(db.pool.clone(), db.schema.clone(), publisher);
-    assert_eq!(relay.relay_once().await.expect("a round"), 1);
-    assert_eq!(
-        db.count("outbox").await,
-        1,
-        "a returned message was deleted"
-    );
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_relays_publish_every_row() {
     const N: usize = 200;
     let db = TestDb::new().await;
     db.schema.migrate(&db.pool).await.unwrap();
-    let (_cleanup, conn, publisher, queue) = broker().await;
+    let (_cleanup, conn, queue) = broker().await;
     let messages: Vec<OutboxMessage> = (0..N)
         .map(|i| OutboxMessage::new("", queue.as_str(), format!("{i}")))
         .collect();
     let ids: BTreeSet<String> = messages.iter().map(|m| m.message_id.clone()).collect();
     db.store_committed(&messages).await;
-    let second = redeliver_amqp::Publisher::new(&conn, DelayConfig::default())
-        .await
-        .unwrap();
     let token = CancellationToken::new();
-    let relays: Vec<_> = [publisher, second]
-        .into_iter()
-        .map(|p| {
+    let relays: Vec<_> = (0..2)
+        .map(|_| {
             tokio::spawn(
-                Relay::new(db.pool.clone(), db.schema.clone(), p)
+                relay(&db)
                     .batch_size(20)
                     .poll_interval(Duration::from_millis(100))
                     .run(token.clone()),
@@ -282,7 +259,7 @@ async fn the_relay_reports_what_waits_in_its_gauges() {
     let counters = counters(); // installed before the relay registers its gauges
     let db = TestDb::new().await;
     db.schema.migrate(&db.pool).await.unwrap();
-    let (_cleanup, conn, publisher, queue) = broker().await;
+    let (_cleanup, conn, queue) = broker().await;
     // One the broker cannot route stays in the outbox round after round; one is published.
     db.store_committed(&[
         OutboxMessage::new("", format!("{queue}-missing"), b"stuck".to_vec()),
@@ -294,7 +271,7 @@ async fn the_relay_reports_what_waits_in_its_gauges() {
     let labels = format!("outbox={}.{}", db.schema.name(), db.schema.outbox_table());
     let token = CancellationToken::new();
     let relay = tokio::spawn(
-        Relay::new(db.pool.clone(), db.schema.clone(), publisher)
+        relay(&db)
             .poll_interval(Duration::from_millis(100))
             .run(token.clone()),
     );
@@ -318,7 +295,7 @@ async fn the_relay_reports_what_waits_in_its_gauges() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_relay_killed_after_the_confirm_publishes_again_and_the_inbox_runs_once() {
     let db = TestDb::with_effects().await;
-    let (_cleanup, conn, publisher, queue) = broker().await;
+    let (_cleanup, conn, queue) = broker().await;
     db.store_committed(&[OutboxMessage::new("", queue.as_str(), b"once".to_vec())])
         .await;
     // The relay's DELETE, which follows the broker's confirm, waits here until it is killed.
@@ -333,8 +310,7 @@ async fn a_relay_killed_after_the_confirm_publishes_again_and_the_inbox_runs_onc
     .unwrap();
 
     let token = CancellationToken::new();
-    let first =
-        tokio::spawn(Relay::new(db.pool.clone(), db.schema.clone(), publisher).run(token.clone()));
+    let first = tokio::spawn(relay(&db).run(token.clone()));
     wait_for(&conn, &queue, 1).await;
     // Killed as a crashed process is: its task gone first (so it cannot start another round),
     // then its backend, still in the transaction, terminated.
@@ -366,11 +342,7 @@ async fn a_relay_killed_after_the_confirm_publishes_again_and_the_inbox_runs_onc
         .execute(&db.pool)
         .await
         .unwrap();
-    let publisher = redeliver_amqp::Publisher::new(&conn, DelayConfig::default())
-        .await
-        .unwrap();
-    let second =
-        tokio::spawn(Relay::new(db.pool.clone(), db.schema.clone(), publisher).run(token.clone()));
+    let second = tokio::spawn(relay(&db).run(token.clone()));
     wait_for(&conn, &queue, 2).await;
     token.cancel();
     second.await.unwrap().expect("relay");

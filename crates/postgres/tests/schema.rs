@@ -12,7 +12,7 @@ async fn migrations_are_idempotent_and_recorded() {
     db.schema.migrate(&db.pool).await.expect("second migration");
     db.schema.prepare(&db.pool).await.expect("prepare");
     let versions: Vec<(String, i32)> = sqlx::query_as(&format!(
-        "SELECT table_name, version FROM {}.schema_migrations ORDER BY table_name",
+        "SELECT table_name, version FROM {}.schema_migrations ORDER BY table_name, version",
         db.name
     ))
     .fetch_all(&db.pool)
@@ -20,7 +20,11 @@ async fn migrations_are_idempotent_and_recorded() {
     .unwrap();
     assert_eq!(
         versions,
-        [("inbox".to_owned(), 1), ("outbox".to_owned(), 1)]
+        [
+            ("inbox".to_owned(), 1),
+            ("outbox".to_owned(), 1),
+            ("outbox".to_owned(), 2)
+        ]
     );
     assert_eq!(db.count("inbox").await, 0);
     assert_eq!(db.count("outbox").await, 0);
@@ -45,7 +49,42 @@ async fn concurrent_migrations_are_safe() {
     for run in futures::future::join_all(runs).await {
         run.expect("task").expect("a concurrent migration failed");
     }
-    assert_eq!(db.count("schema_migrations").await, 2);
+    assert_eq!(db.count("schema_migrations").await, 3);
+}
+
+/// An outbox created by version 1 of the crate, holding rows, is brought to version 2 (retries
+/// and parking) by the next start: its rows are kept, due now, never tried.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_outbox_of_version_1_is_upgraded_with_its_rows() {
+    let db = TestDb::new().await;
+    let s = &db.name;
+    let v1 = include_str!("../migrations/outbox_0001_create.sql")
+        .replace("{schema}", s)
+        .replace("{table}", "outbox");
+    sqlx::raw_sql(&format!(
+        "CREATE SCHEMA {s};
+         CREATE TABLE {s}.schema_migrations (table_name text NOT NULL, version integer NOT NULL,
+             name text NOT NULL, applied_at timestamptz NOT NULL DEFAULT now(),
+             PRIMARY KEY (table_name, version));
+         {v1}
+         INSERT INTO {s}.schema_migrations (table_name, version, name) VALUES ('outbox', 1, 'create');
+         INSERT INTO {s}.outbox (message_id, exchange, routing_key, body) VALUES ('m1', '', 'q', 'x');"
+    ))
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    db.schema.migrate(&db.pool).await.expect("upgrade");
+    let (attempts, next, parked): (i32, Option<bool>, Option<bool>) = sqlx::query_as(&format!(
+        "SELECT attempts, next_attempt_at IS NOT NULL, parked_at IS NOT NULL FROM {s}.outbox"
+    ))
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!((attempts, next, parked), (0, Some(false), Some(false)));
+    let p = redeliver_postgres::pending(&db.pool, &db.schema)
+        .await
+        .unwrap();
+    assert_eq!((p.count, p.retrying, p.parked), (1, 0, 0));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -68,7 +107,7 @@ async fn custom_table_names() {
         .await
         .expect("default names too");
     assert_eq!(db.count("inbox").await, 0);
-    assert_eq!(db.count("schema_migrations").await, 4);
+    assert_eq!(db.count("schema_migrations").await, 6);
     assert_eq!(
         schema.notify_channel(),
         format!("{}.thumbs_outbox", db.name)
@@ -132,6 +171,22 @@ async fn without_migrations_the_tables_are_checked() {
     }
     sqlx::query(&format!(
         "ALTER TABLE {}.outbox ADD COLUMN headers jsonb",
+        db.name
+    ))
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    // The columns of migration 2 (retries and parking) are checked too.
+    match managed.prepare(&db.pool).await {
+        Err(Error::MissingColumn {
+            column: "attempts", ..
+        }) => {}
+        other => panic!("expected MissingColumn attempts, got {other:?}"),
+    }
+    sqlx::query(&format!(
+        "ALTER TABLE {}.outbox ADD COLUMN attempts integer NOT NULL DEFAULT 0,
+             ADD COLUMN next_attempt_at timestamptz, ADD COLUMN last_error text,
+             ADD COLUMN parked_at timestamptz, ADD COLUMN parked_reason text",
         db.name
     ))
     .execute(&db.pool)
