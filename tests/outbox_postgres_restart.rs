@@ -56,8 +56,10 @@ async fn a_postgres_restart_mid_round_loses_no_outbox_row_and_the_relay_keeps_ru
     // Fails here, not half-way, when the cluster cannot be managed from this process.
     pg_ctlcluster("status").unwrap_or_else(|e| panic!("{e}"));
     let _running = KeepRunning;
+    // The outbox of a second relay, empty: it is cancelled while PostgreSQL is down.
+    let idle = EffectsDb::new().await;
     let s = Scenario::new("outbox-pg", Shape::default()).await;
-    let db = &db;
+    let (db, idle) = (&db, &idle);
     s.run(|s| async move {
         let started = Instant::now();
         let queue = s.queue();
@@ -86,6 +88,20 @@ async fn a_postgres_restart_mid_round_loses_no_outbox_row_and_the_relay_keeps_ru
             );
         let status = relay.status_handle();
         let mut run = tokio::spawn(relay.run(token.clone()));
+        // A relay with nothing to publish, on a pool with sqlx's default acquire timeout (30 s),
+        // polling: while the database is down its rounds wait for a connection, and it must
+        // still stop at once when cancelled (a shutdown's grace period is shorter than that).
+        let idle_token = CancellationToken::new();
+        let mut idle_run = tokio::spawn(
+            Relay::new(
+                pool_named(&format!("{}-relay", idle.name), 4, Duration::from_secs(30)).await,
+                s.shape.url.clone(),
+            )
+            .schema(idle.schema.clone())
+            .connection_name(format!("{}idle-relay", s.prefix))
+            .poll_interval(Duration::from_millis(200))
+            .run(idle_token.clone()),
+        );
 
         // Mid-run: a sixth of the rows in the queue (`pg_ctlcluster stop` takes a moment to act).
         let deadline = Instant::now() + Duration::from_secs(30);
@@ -131,7 +147,17 @@ async fn a_postgres_restart_mid_round_loses_no_outbox_row_and_the_relay_keeps_ru
             (&mut run).await
         );
         assert!(!status.is_ready(), "ready while PostgreSQL is down");
+        let cancel = Instant::now();
+        idle_token.cancel();
+        let idle_end = tokio::time::timeout(Duration::from_secs(2), &mut idle_run).await;
+        let idle_stopped = cancel.elapsed();
         ctl("start").await;
+        idle_end
+            .unwrap_or_else(|_| {
+                panic!("a relay cancelled while PostgreSQL is down did not stop within 2 s")
+            })
+            .expect("idle relay task")
+            .expect("the idle relay stopped with an error");
         let up = stop.elapsed();
         let deadline = Instant::now() + Duration::from_secs(30);
         while !status.is_ready() {
@@ -146,7 +172,8 @@ async fn a_postgres_restart_mid_round_loses_no_outbox_row_and_the_relay_keeps_ru
         report(format!(
             "outbox pg: stopping PostgreSQL with {before} of {N} rows in the queue, \
              {depth_stopped} once stopped ({stopped:?}); the relay not ready {noticed:?} after \
-             the stop, PostgreSQL up after {up:?}, the relay ready after {ready:?}"
+             the stop, PostgreSQL up after {up:?}, the relay ready after {ready:?}; a relay cancelled \
+             meanwhile stopped in {idle_stopped:?}"
         ));
         // Committed after the restart: the relay's LISTEN (or its poll) finds them.
         db.commit_outbox(&queue, &ids[N..], 200).await;
