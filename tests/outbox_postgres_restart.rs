@@ -146,6 +146,15 @@ async fn a_postgres_restart_mid_round_loses_no_outbox_row_and_the_relay_keeps_ru
             "the relay returned while PostgreSQL was down: {:?}",
             (&mut run).await
         );
+        let still_down = tokio::task::spawn_blocking(|| pg_ctlcluster("status"))
+            .await
+            .expect("pg_ctlcluster task");
+        assert!(
+            still_down.is_err(),
+            "PostgreSQL runs again although this test stopped it: another process started it \
+             (a test of another binary whose pool starts the local cluster when it cannot \
+             connect?); run this test alone"
+        );
         assert!(!status.is_ready(), "ready while PostgreSQL is down");
         let cancel = Instant::now();
         idle_token.cancel();
