@@ -583,7 +583,11 @@ impl Relay {
     async fn prepare(&self, token: &CancellationToken) -> Result<bool, Error> {
         let mut delays = self.reconnect_backoff.delays(self.reconnect_jitter);
         loop {
-            match self.schema.prepare(&self.pool).await {
+            let Some(prepared) = unless_cancelled(token, self.schema.prepare(&self.pool)).await
+            else {
+                return Ok(false);
+            };
+            match prepared {
                 Ok(()) => return Ok(true),
                 Err(Error::Database(e)) if transient_db(&e) => {
                     self.flags.database_down.store(true, Ordering::Release);
@@ -657,7 +661,11 @@ impl Relay {
                 return Err(Error::Database(sqlx::Error::PoolClosed));
             }
             if listener.is_none() {
-                *listener = match self.listen(channel).await {
+                let Some(listening) = unless_cancelled(token, self.listen(channel)).await else {
+                    link.close().await;
+                    return Ok(None);
+                };
+                *listener = match listening {
                     Ok(l) => Some(l),
                     Err(e) => {
                         tracing::warn!(error = %e, channel = %channel, "cannot LISTEN; the outbox relay polls only until it can");
@@ -674,7 +682,12 @@ impl Relay {
                 self.flags
                     .blocked
                     .store(link.conn.status().blocked(), Ordering::Release);
-                match self.round(&mut link, suspects).await {
+                match self.round(&mut link, suspects, token).await {
+                    // Cancelled during the round (perhaps before it could reach the database).
+                    Ok(_) if token.is_cancelled() => {
+                        link.close().await;
+                        return Ok(None);
+                    }
                     Ok(round) => {
                         self.flags.database_down.store(false, Ordering::Release);
                         if let Some(reason) = round.lost {
@@ -696,7 +709,7 @@ impl Relay {
                     }
                 }
             }
-            self.update_gauges().await;
+            unless_cancelled(token, self.update_gauges()).await;
             let wait = async {
                 match listener.as_mut() {
                     Some(l) => match l.recv().await {
@@ -756,8 +769,17 @@ impl Relay {
     }
 
     /// One round; see the type's docs.
-    async fn round(&self, link: &mut Link, suspects: &mut HashSet<i64>) -> Result<Round, Error> {
-        let mut tx = self.pool.begin().await?;
+    /// Cancelled while it waits for a database connection, it takes nothing (an empty round).
+    async fn round(
+        &self,
+        link: &mut Link,
+        suspects: &mut HashSet<i64>,
+        token: &CancellationToken,
+    ) -> Result<Round, Error> {
+        let Some(tx) = unless_cancelled(token, self.pool.begin()).await else {
+            return Ok(Round::default());
+        };
+        let mut tx = tx?;
         let rows = sqlx::query(&format!(
             "SELECT id, message_id, exchange, routing_key, body, content_type, headers::text,
                     attempts
@@ -1031,6 +1053,20 @@ impl Relay {
                 ),
             ),
         }
+    }
+}
+
+/// `fut`'s output, or `None` when `token` is cancelled first. For the relay's waits on the
+/// database: while it is unreachable, each lasts the pool's acquire timeout (sqlx's default:
+/// 30 s), longer than a shutdown may take. Never around a round's publishes, which a
+/// cancellation lets finish (cut short, they would be published again).
+async fn unless_cancelled<F: std::future::Future>(
+    token: &CancellationToken,
+    fut: F,
+) -> Option<F::Output> {
+    tokio::select! {
+        () = token.cancelled() => None,
+        out = fut => Some(out),
     }
 }
 
