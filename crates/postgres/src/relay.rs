@@ -504,6 +504,7 @@ impl Relay {
             .map(|u| BrokerUrl::parse(u).map_err(|e| Error::Broker(e.into())))
             .collect::<Result<Vec<_>, _>>()?;
         self.state.send_replace(RelayState::Connecting);
+        tracing::debug!("the outbox relay prepares its schema");
         if !self.prepare(token).await? {
             return Ok(());
         }
@@ -627,9 +628,11 @@ impl Relay {
                     .map(|v| v.default_max_message_size())
             }
         };
+        tracing::debug!(broker = %url.redacted(), ?max_message_size, "the outbox relay connects");
         let conn = redeliver_amqp::connect_url(url, props, &self.tls)
             .await
             .map_err(Error::Broker)?;
+        tracing::debug!(broker = %url.redacted(), "the outbox relay connected");
         match open_publisher(&conn, max_message_size).await {
             Ok(publisher) => Ok(Link {
                 conn,

@@ -517,3 +517,43 @@ async fn a_bad_url_ends_the_relay_and_an_unreachable_broker_does_not() {
         .await
         .is_some());
 }
+
+/// The relay connects over TLS (amqps://, the test CA) as the worker does, and publishes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_relay_publishes_over_tls() {
+    use redeliver_testkit::mgmt::Client;
+    use redeliver_testkit::{amqps_url, tls_broker, tls_file};
+    use redeliver_worker::TlsConfig;
+
+    let broker = tls_broker();
+    let prefix = redeliver_testkit::unique_prefix("rdpgt-", 8, "-");
+    struct TlsCleanup(String);
+    impl Drop for TlsCleanup {
+        fn drop(&mut self) {
+            if let Err(e) = Client::new(&tls_broker().mgmt_url).delete_prefix(&self.0) {
+                eprintln!("cleanup of {}: {e}", self.0);
+            }
+        }
+    }
+    let _cleanup = TlsCleanup(prefix.clone());
+    let conn = redeliver_testkit::reliability::connect(&broker.amqp_url).await;
+    let queue = format!("{prefix}out");
+    declare_queue(&conn, &queue).await;
+    let db = TestDb::new().await;
+    db.schema.migrate(&db.pool).await.unwrap();
+    let messages = good(&queue, 3);
+    db.store_committed(&messages).await;
+
+    let token = CancellationToken::new();
+    let relay = Relay::new(db.pool.clone(), amqps_url())
+        .tls(TlsConfig::new().ca_file(tls_file("ca.pem")))
+        .schema(db.schema.clone())
+        .poll_interval(Duration::from_millis(100));
+    let status = relay.status_handle();
+    let run = tokio::spawn(relay.run(token.clone()));
+    let got = receive(&conn, &queue, 3).await;
+    assert_eq!(got.len(), 3, "{got:?}");
+    assert!(status.is_ready());
+    token.cancel();
+    run.await.unwrap().expect("relay");
+}
