@@ -56,7 +56,7 @@ unknown never matches); --message-id ID (repeatable) those with one of these ids
 together, the criteria must all hold (AND). A --message-id that is not found makes the exit \
 code 1 after the rest was done, so a typo does not look like success.";
 
-/// Help heading of the selection options of `dlq replay` and `dlq purge`.
+/// Help heading of the selection options of `dlq replay`, `dlq purge` and `outbox parked`.
 const SELECTION_HEADING: &str = "Selection (criteria combine with AND)";
 
 /// Help heading of the TLS options.
@@ -71,7 +71,7 @@ const TLS_HEADING: &str =
     about = "Operator tool for redeliver: topology, dead-letter queues and the delay infrastructure",
     long_about = "Operator tool for redeliver: inspect and repair a RabbitMQ consumer's topology, \
 its dead-letter queue (Q.dlq), the shared delay levels and their parking queue for unroutable \
-messages, and watch the PostgreSQL outbox of redeliver-postgres.\n\nExit codes: 0 success, 1 \
+messages, and watch and repair the PostgreSQL outbox of redeliver-postgres.\n\nExit codes: 0 success, 1 \
 error (broker, database, queue, message), 2 usage (bad arguments, a destructive command without \
 --yes).",
     after_help = "The password in --url / AMQP_URL is never printed; messages show it as ***. amqps:// \
@@ -188,7 +188,8 @@ pub(crate) enum Command {
     /// Self-tests of the delay infrastructure
     #[command(subcommand)]
     Delay(DelayCmd),
-    /// The PostgreSQL outbox of redeliver-postgres: messages committed, not yet published
+    /// The PostgreSQL outbox of redeliver-postgres: messages committed, not yet published, and
+    /// those the relay parked
     #[command(subcommand)]
     Outbox(OutboxCmd),
 }
@@ -658,25 +659,77 @@ pub(crate) struct ProbeArgs {
     pub json: bool,
 }
 
+/// Where the outbox is, shared by every `outbox` command.
+pub(crate) const OUTBOX_DATABASE: &str = "\
+The database comes from --database-url / DATABASE_URL (its password is never printed); \
+--connect-timeout bounds the connection to it. --schema and --outbox-table must name the tables \
+the services use (their redeliver_postgres::Schema).";
+
+/// How the `outbox parked` commands select rows.
+pub(crate) const PARKED_SELECTION: &str = "\
+Selection: --id N (repeatable) takes the rows with one of these ids; --message-id ID \
+(repeatable) those with one of these message ids; --reason R those parked for reason R \
+(retries_exhausted: the broker refused every attempt the relay's policy allows; permanent: it \
+can never take the row as it is; unreadable: the row's headers are not a JSON object of \
+strings); --error-contains TEXT those whose last error contains TEXT (case-sensitive); \
+--exchange X and --routing-key K those published to that exchange (\"\" is the default exchange) \
+or with that routing key; --older-than DURATION those parked at least that long ago (30m, 12h, \
+7d, by the database's clock). Given together, the criteria must all hold (AND). Without any, \
+every parked row is selected.";
+
+/// The keys of one row in `outbox parked list --json` (and of the rows of a dry run).
+const PARKED_ROW_KEYS: &str = "\"id\", \"message_id\", \"exchange\", \"routing_key\", \
+\"reason\", \"attempts\", \"last_error\", \"created_at\", \"parked_at\", \
+\"parked_age_seconds\", \"content_type\", \"unreadable\" (why the row cannot be read as a \
+message, null when it can), \"body_bytes\", \"body_preview\"";
+
 #[derive(Subcommand, Debug)]
 pub(crate) enum OutboxCmd {
     /// How many messages wait in the outbox, and for how long the oldest has waited
     #[command(long_about = format!("Count the rows of the outbox table (messages that \
 transactions stored and committed, which no relay has published yet) and the age of the oldest, \
 as redeliver_postgres::pending computes them and the relay's gauges redeliver_outbox_pending and \
-redeliver_outbox_oldest_age_seconds report them. A count that keeps growing, or an old oldest \
-row, means no relay runs or it cannot reach the broker. Reads only: nothing is changed or \
-created, so a missing table is an error (exit code 1) naming it.\n\nThe database comes from \
---database-url / DATABASE_URL (its password is never printed); --connect-timeout bounds the \
-connection to it. --schema and --outbox-table must name the tables the services use (their \
-redeliver_postgres::Schema).\n\n--json prints {{\"outbox\" (schema.table), \"schema\", \
-\"table\", \"pending\", \"oldest_age_seconds\" (null when nothing is pending)}}. \
-{JSON_OUTPUT}"))]
+redeliver_outbox_oldest_age_seconds report them; of those, the rows the broker refused at least \
+once and that wait for their next attempt (retrying); and the rows the relay gave up on \
+(parked, see `redeliver outbox parked`) with how long ago the earliest was parked, as the gauges \
+redeliver_outbox_parked and redeliver_outbox_parked_oldest_age_seconds report them. A count that \
+keeps growing, or an old oldest row, means no relay runs or it cannot reach the broker. Reads \
+only: nothing is changed or created, so a missing table is an error (exit code 1) naming \
+it.\n\n{OUTBOX_DATABASE}\n\n--json prints {{\"outbox\" (schema.table), \"schema\", \"table\", \
+\"pending\", \"oldest_age_seconds\" (null when nothing is pending), \"retrying\", \"parked\", \
+\"oldest_parked_age_seconds\" (null when nothing is parked)}}. {JSON_OUTPUT}"))]
     Status(OutboxStatusArgs),
+    /// Rows the relay gave up on (parked): list, stats, peek, replay, purge
+    #[command(subcommand)]
+    Parked(ParkedCmd),
 }
 
+impl OutboxCmd {
+    /// The database options of the command.
+    pub(crate) fn db(&self) -> &OutboxDbArgs {
+        match self {
+            OutboxCmd::Status(a) => &a.db,
+            OutboxCmd::Parked(p) => p.db(),
+        }
+    }
+}
+
+impl ParkedCmd {
+    /// The database options of the command.
+    pub(crate) fn db(&self) -> &OutboxDbArgs {
+        match self {
+            ParkedCmd::List(a) => &a.db,
+            ParkedCmd::Stats(a) => &a.db,
+            ParkedCmd::Peek(a) => &a.db,
+            ParkedCmd::Replay(a) => &a.db,
+            ParkedCmd::Purge(a) => &a.db,
+        }
+    }
+}
+
+/// Which outbox table, in which database.
 #[derive(Args, Debug, Clone)]
-pub(crate) struct OutboxStatusArgs {
+pub(crate) struct OutboxDbArgs {
     /// PostgreSQL URL: postgres://USER:PASSWORD@HOST:PORT/DATABASE
     #[arg(long, env = "DATABASE_URL", hide_env_values = true, value_name = "URL")]
     pub database_url: Option<String>,
@@ -691,7 +744,178 @@ pub(crate) struct OutboxStatusArgs {
     /// Name of the outbox table
     #[arg(long, default_value = "outbox", value_name = "TABLE")]
     pub outbox_table: String,
+}
+
+#[derive(Args, Debug, Clone)]
+pub(crate) struct OutboxStatusArgs {
+    #[command(flatten)]
+    pub db: OutboxDbArgs,
     /// Print JSON instead of text
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Subcommand, Debug)]
+pub(crate) enum ParkedCmd {
+    /// Table of parked rows, oldest id first
+    #[command(long_about = format!("List the rows the outbox relay parked: messages the broker \
+refused on every attempt its retry policy allows, or that it can never publish as they are. \
+Each row shows its id, message id, exchange, routing key, why it was parked, the publishes the \
+broker refused, how long ago it was parked and its last error, cut short (`outbox parked peek` \
+shows everything). At most --limit rows, lowest id first; the first line says how many \
+match. Reads only.\n\n{PARKED_SELECTION}\n\n{OUTBOX_DATABASE}\n\n--json prints an array with \
+one object per row: {{{PARKED_ROW_KEYS}}}. Times are RFC 3339. {JSON_OUTPUT}"))]
+    List(ParkedListArgs),
+    /// Counts of parked rows: by reason, by exchange and routing key, the oldest's age
+    #[command(long_about = format!("Count the parked rows that match, by reason and by \
+(exchange, routing key), most frequent first, and how long ago the earliest of them was \
+parked. Reads only.\n\n{PARKED_SELECTION}\n\n{OUTBOX_DATABASE}\n\n--json prints {{\"outbox\", \
+\"selection\" (the criteria as options, null without), \"parked\", \"by_reason\": \
+[{{\"reason\", \"count\"}}], \"by_route\": [{{\"exchange\", \"routing_key\", \"count\"}}], \
+\"oldest_age_seconds\" (null when none matches)}}. {JSON_OUTPUT}"))]
+    Stats(ParkedStatsArgs),
+    /// Print parked rows in full (headers, content type, body)
+    #[command(long_about = format!("Print the parked rows that match in full, lowest id first, \
+at most --limit of them: every column, the headers, the content type and the body, \
+pretty-printed when it is JSON, as text when it is UTF-8, as a hex dump otherwise. Text and \
+header values are escaped (a control character shows as \\u{{1b}}, never raw) and cut when \
+long: a body after {PEEK_BODY_KIB} KiB, a header value or the last error after {PEEK_VALUE_CHARS} \
+characters. A row whose headers are not a JSON object of strings (reason unreadable) shows them \
+as stored. No row matching is an error (exit code 1). Reads only.\n\n{PARKED_SELECTION}\n\n\
+{OUTBOX_DATABASE}\n\n--json prints an array with one object per row, whole: the keys of \
+`outbox parked list --json` without body_preview, plus \"headers\" (an object, null when the \
+row is unreadable), \"stored_headers\" (the headers column as stored, when the row is \
+unreadable), \"body\" ({{\"json\": value}}, {{\"text\": string}} or {{\"bytes_hex\": \
+string}}). {JSON_OUTPUT}"))]
+    Peek(ParkedPeekArgs),
+    /// Put parked rows back in the outbox for the relay to publish again
+    #[command(long_about = format!("Put the parked rows that match back in the outbox as new: \
+no attempts, due now, and the relays are woken (NOTIFY) to publish them. Their message ids are \
+kept, so a consumer behind a redeliver-postgres inbox still recognises one it already handled. \
+Fix what made the broker refuse them first (a missing exchange or binding, a full queue): a \
+row refused again is retried and parked again. Without a selection every parked row is \
+replayed, as `dlq replay` moves every message; --dry-run shows what would be replayed and \
+changes nothing. An --id or --message-id that names no parked row makes the exit code 1 after \
+the rest was done, so a typo does not look like success.\n\n{PARKED_SELECTION} Example: \
+`redeliver outbox parked replay --reason retries_exhausted --exchange orders`.\n\n\
+{OUTBOX_DATABASE}\n\n--json prints {{\"outbox\", \"dry_run\", \"selection\" (the criteria as \
+options, null without), \"replayed\" (rows replayed, or that would be), \"rows\" (dry run: up \
+to {DRY_RUN_ROWS} of them, as `outbox parked list --json` shows them; empty otherwise), \
+\"missing_ids\", \"missing_message_ids\"}}, also when the exit code is 1. {JSON_OUTPUT}"))]
+    Replay(ParkedReplayArgs),
+    /// Delete parked rows for good (requires --yes)
+    #[command(long_about = format!("Delete the parked rows that match, for good; requires \
+--yes (not with --dry-run, which shows what would be deleted and changes nothing). Without a \
+selection every parked row is deleted; rows that are not parked are never touched. An --id or \
+--message-id that names no parked row makes the exit code 1 after the rest was done.\n\n\
+{PARKED_SELECTION} Example: `redeliver outbox parked purge --reason unreadable --older-than 7d \
+--yes`.\n\n{OUTBOX_DATABASE}\n\n--json prints {{\"outbox\", \"dry_run\", \"selection\", \
+\"purged\", \"rows\", \"missing_ids\", \"missing_message_ids\"}}, as `outbox parked replay \
+--json` does. {JSON_OUTPUT}"))]
+    Purge(ParkedPurgeArgs),
+}
+
+/// Body bytes `outbox parked peek` shows in text, in KiB.
+pub(crate) const PEEK_BODY_KIB: usize = 16;
+/// Characters of one header value (or last error) `outbox parked peek` shows in text.
+pub(crate) const PEEK_VALUE_CHARS: usize = 2048;
+/// Rows a dry run of `outbox parked replay|purge` shows.
+pub(crate) const DRY_RUN_ROWS: u32 = 1000;
+
+/// Which parked rows an `outbox parked` command acts on.
+#[derive(Args, Debug, Clone, Default)]
+pub(crate) struct ParkedFilterArgs {
+    /// Only the row with this id (repeatable: any of them)
+    #[arg(long = "id", value_name = "N", help_heading = SELECTION_HEADING)]
+    pub ids: Vec<i64>,
+    /// Only the rows with this message id (repeatable: any of them)
+    #[arg(long = "message-id", value_name = "ID", help_heading = SELECTION_HEADING)]
+    pub message_ids: Vec<String>,
+    /// Only rows parked for this reason: retries_exhausted, permanent or unreadable
+    #[arg(long, value_name = "REASON", help_heading = SELECTION_HEADING,
+          value_parser = clap::builder::NonEmptyStringValueParser::new())]
+    pub reason: Option<String>,
+    /// Only rows whose last error contains TEXT (case-sensitive)
+    #[arg(long, value_name = "TEXT", help_heading = SELECTION_HEADING,
+          value_parser = clap::builder::NonEmptyStringValueParser::new())]
+    pub error_contains: Option<String>,
+    /// Only rows for this exchange ("" is the default exchange)
+    #[arg(long, value_name = "EXCHANGE", help_heading = SELECTION_HEADING)]
+    pub exchange: Option<String>,
+    /// Only rows with this routing key
+    #[arg(long, value_name = "KEY", help_heading = SELECTION_HEADING)]
+    pub routing_key: Option<String>,
+    /// Only rows parked at least this long ago, e.g. 30m or 7d
+    #[arg(long, value_parser = parse_duration, value_name = "DURATION", help_heading = SELECTION_HEADING)]
+    pub older_than: Option<Duration>,
+}
+
+#[derive(Args, Debug, Clone)]
+pub(crate) struct ParkedListArgs {
+    #[command(flatten)]
+    pub db: OutboxDbArgs,
+    #[command(flatten)]
+    pub filter: ParkedFilterArgs,
+    /// Show at most N rows, lowest id first
+    #[arg(long, default_value_t = 100, value_name = "N", value_parser = clap::value_parser!(u32).range(1..=65535))]
+    pub limit: u32,
+    /// Print a JSON array instead of a table
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Args, Debug, Clone)]
+pub(crate) struct ParkedStatsArgs {
+    #[command(flatten)]
+    pub db: OutboxDbArgs,
+    #[command(flatten)]
+    pub filter: ParkedFilterArgs,
+    /// Print JSON instead of text
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Args, Debug, Clone)]
+pub(crate) struct ParkedPeekArgs {
+    #[command(flatten)]
+    pub db: OutboxDbArgs,
+    #[command(flatten)]
+    pub filter: ParkedFilterArgs,
+    /// Print at most N rows, lowest id first
+    #[arg(long, default_value_t = 10, value_name = "N", value_parser = clap::value_parser!(u32).range(1..=1000))]
+    pub limit: u32,
+    /// Print a JSON array instead of text
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Args, Debug, Clone)]
+pub(crate) struct ParkedReplayArgs {
+    #[command(flatten)]
+    pub db: OutboxDbArgs,
+    #[command(flatten)]
+    pub filter: ParkedFilterArgs,
+    /// Print what would be replayed and change nothing
+    #[arg(long)]
+    pub dry_run: bool,
+    /// Print a JSON report instead of text
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Args, Debug, Clone)]
+pub(crate) struct ParkedPurgeArgs {
+    #[command(flatten)]
+    pub db: OutboxDbArgs,
+    #[command(flatten)]
+    pub filter: ParkedFilterArgs,
+    /// Confirm: the rows are deleted for good
+    #[arg(long)]
+    pub yes: bool,
+    /// Print what would be deleted and change nothing (no --yes needed)
+    #[arg(long)]
+    pub dry_run: bool,
+    /// Print a JSON report instead of text
     #[arg(long)]
     pub json: bool,
 }

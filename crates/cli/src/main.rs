@@ -15,6 +15,8 @@ mod errors;
 mod message;
 mod outbox;
 mod output;
+#[cfg(feature = "postgres")]
+mod parked;
 mod probe;
 mod select;
 mod text;

@@ -1,22 +1,22 @@
-//! `outbox status`: what waits in the PostgreSQL outbox of redeliver-postgres.
+//! `outbox status` and `outbox parked …`: the PostgreSQL outbox of redeliver-postgres.
 //!
-//! The only command that talks to the database instead of the broker, so main runs it before
+//! The only commands that talk to the database instead of the broker, so main runs them before
 //! reading any broker setting. Errors go through the same rendering as the others
 //! ([`errors::render_with`]), with hints of their own and the database password scrubbed;
 //! the exit codes are the same: 1 when the database cannot be reached or the table is missing,
-//! 2 for the command line (no URL, a bad URL or table name, a build without the feature).
+//! 2 for the command line (no URL, a bad URL or table name, a purge without --yes, a build
+//! without the feature). The parked-row commands are in [`crate::parked`].
 
 use std::process::ExitCode;
 use std::time::Duration;
 
-use crate::cli::{OutboxCmd, OutboxStatusArgs};
+use crate::cli::OutboxCmd;
 use crate::errors;
 
 /// Runs `cmd` and prints its error, if any, as the other commands do.
 pub(crate) fn main(cmd: OutboxCmd, connect_timeout: Duration) -> ExitCode {
-    let OutboxCmd::Status(args) = cmd;
-    let password = args.database_url.as_deref().and_then(password_of);
-    match status(&args, connect_timeout) {
+    let password = cmd.db().database_url.as_deref().and_then(password_of);
+    match run(cmd, connect_timeout) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             let scrubbed = |s: &str| scrub(s, password.as_deref());
@@ -27,7 +27,7 @@ pub(crate) fn main(cmd: OutboxCmd, connect_timeout: Duration) -> ExitCode {
 }
 
 #[cfg(not(feature = "postgres"))]
-fn status(_: &OutboxStatusArgs, _: Duration) -> anyhow::Result<()> {
+fn run(_: OutboxCmd, _: Duration) -> anyhow::Result<()> {
     Err(errors::UsageError(
         "this redeliver was built without its `postgres` feature, which the outbox commands \
          need: build it with the default features (`cargo install --path crates/cli`) or \
@@ -43,10 +43,18 @@ fn hints(_: &anyhow::Error) -> Vec<String> {
 }
 
 #[cfg(feature = "postgres")]
-use db::{hints, status};
+fn run(cmd: OutboxCmd, timeout: Duration) -> anyhow::Result<()> {
+    match cmd {
+        OutboxCmd::Status(args) => db::status(&args, timeout),
+        OutboxCmd::Parked(cmd) => crate::parked::run(cmd, timeout),
+    }
+}
 
 #[cfg(feature = "postgres")]
-mod db {
+use db::hints;
+
+#[cfg(feature = "postgres")]
+pub(crate) mod db {
     use std::fmt;
     use std::time::Duration;
 
@@ -54,9 +62,9 @@ mod db {
     use redeliver_postgres::{pending, Pending, Schema};
     use serde::Serialize;
     use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
-    use sqlx::{ConnectOptions as _, Connection as _};
+    use sqlx::{ConnectOptions as _, Connection as _, PgPool};
 
-    use super::OutboxStatusArgs;
+    use crate::cli::{OutboxDbArgs, OutboxStatusArgs};
     use crate::errors::UsageError;
     use crate::output;
 
@@ -92,39 +100,103 @@ mod db {
         table: &'a str,
         pending: u64,
         oldest_age_seconds: Option<f64>,
+        retrying: u64,
+        parked: u64,
+        oldest_parked_age_seconds: Option<f64>,
+    }
+
+    /// Where an outbox command connects, checked before anything connects (a usage error, exit
+    /// code 2, when the URL or the names are wrong).
+    #[derive(Debug)]
+    pub(crate) struct Target {
+        options: PgConnectOptions,
+        pub(crate) schema: Schema,
+    }
+
+    impl Target {
+        pub(crate) fn of(args: &OutboxDbArgs) -> anyhow::Result<Self> {
+            let url = args.database_url.as_deref().ok_or_else(|| {
+                UsageError(
+                    "no database: give --database-url or set DATABASE_URL \
+                     (postgres://USER:PASSWORD@HOST:PORT/DATABASE)"
+                        .to_owned(),
+                )
+            })?;
+            let schema = Schema::named(&args.schema)
+                .and_then(|s| s.with_outbox_table(&args.outbox_table))
+                .map_err(|e| UsageError(format!("--schema / --outbox-table: {e}")))?;
+            let not_postgres = |why: String| {
+                UsageError(format!(
+                    "--database-url / DATABASE_URL is not a PostgreSQL URL \
+                     (postgres://USER:PASSWORD@HOST:PORT/DATABASE): {why}"
+                ))
+            };
+            // sqlx reads any scheme as PostgreSQL's: a MySQL URL would be tried as one.
+            if !(url.starts_with("postgres://") || url.starts_with("postgresql://")) {
+                return Err(not_postgres(
+                    "it must start with postgres:// or postgresql://".to_owned(),
+                )
+                .into());
+            }
+            let options: PgConnectOptions =
+                url.parse().map_err(|e| not_postgres(format!("{e}")))?;
+            Ok(Self { options, schema })
+        }
+
+        /// `schema.table`, as messages name the outbox.
+        pub(crate) fn table(&self) -> String {
+            format!("{}.{}", self.schema.name(), self.schema.outbox_table())
+        }
+    }
+
+    /// A pool of one connection on the outbox's database, and what error messages say of it.
+    #[derive(Debug)]
+    pub(crate) struct Db {
+        pub(crate) pool: PgPool,
+        pub(crate) schema: Schema,
+        /// `postgres://USER@HOST:PORT/DATABASE`, without the password.
+        at: String,
+    }
+
+    impl Db {
+        /// `e` with the context "cannot {doing} at {where}"; a missing table becomes the error
+        /// the hints recognise.
+        pub(crate) fn error(&self, e: redeliver_postgres::Error, doing: &str) -> anyhow::Error {
+            let table = format!("{}.{}", self.schema.name(), self.schema.outbox_table());
+            let context = format!("cannot {doing} at {}", self.at);
+            match e {
+                redeliver_postgres::Error::MissingTable { .. } => {
+                    anyhow::Error::new(OutboxMissing { table }).context(context)
+                }
+                e => anyhow::Error::new(e).context(context),
+            }
+        }
+
+        pub(crate) async fn close(self) {
+            self.pool.close().await;
+        }
+    }
+
+    /// A runtime on this thread: one connection, a few queries.
+    pub(crate) fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .context("cannot start the async runtime")
     }
 
     pub(super) fn status(args: &OutboxStatusArgs, timeout: Duration) -> anyhow::Result<()> {
-        let url = args.database_url.as_deref().ok_or_else(|| {
-            UsageError(
-                "no database: give --database-url or set DATABASE_URL \
-                 (postgres://USER:PASSWORD@HOST:PORT/DATABASE)"
-                    .to_owned(),
-            )
+        let target = Target::of(&args.db)?;
+        let found = runtime()?.block_on(async {
+            let db = connect(&target, timeout).await?;
+            let table = target.table();
+            let result = pending(&db.pool, &db.schema)
+                .await
+                .map_err(|e| db.error(e, &format!("read the outbox {table}")));
+            db.close().await;
+            result
         })?;
-        let schema = Schema::named(&args.schema)
-            .and_then(|s| s.with_outbox_table(&args.outbox_table))
-            .map_err(|e| UsageError(format!("--schema / --outbox-table: {e}")))?;
-        let not_postgres = |why: String| {
-            UsageError(format!(
-                "--database-url / DATABASE_URL is not a PostgreSQL URL \
-                 (postgres://USER:PASSWORD@HOST:PORT/DATABASE): {why}"
-            ))
-        };
-        // sqlx reads any scheme as PostgreSQL's: a MySQL URL would be tried as one.
-        if !(url.starts_with("postgres://") || url.starts_with("postgresql://")) {
-            return Err(
-                not_postgres("it must start with postgres:// or postgresql://".to_owned()).into(),
-            );
-        }
-        let options: PgConnectOptions = url.parse().map_err(|e| not_postgres(format!("{e}")))?;
-        // One connection, one query: a runtime on this thread is enough.
-        let rt = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .context("cannot start the async runtime")?;
-        let found = rt.block_on(count(options, &schema, timeout))?;
-        print(&schema, found, args.json)
+        print(&target.schema, found, args.json)
     }
 
     /// `postgres://USER@HOST:PORT/DATABASE`: where the command connects, without the password.
@@ -138,16 +210,13 @@ mod db {
         )
     }
 
-    async fn count(
-        options: PgConnectOptions,
-        schema: &Schema,
-        timeout: Duration,
-    ) -> anyhow::Result<Pending> {
-        let at = shown(&options);
+    /// Connects to `target`'s database within `timeout`.
+    pub(crate) async fn connect(target: &Target, timeout: Duration) -> anyhow::Result<Db> {
+        let at = shown(&target.options);
         // A connection of its own first: its error says why (refused, a wrong password, no such
         // database), where a pool retries a refused connection until its timeout and then only
         // says that it timed out.
-        let conn = match tokio::time::timeout(timeout, options.connect()).await {
+        let conn = match tokio::time::timeout(timeout, target.options.connect()).await {
             Ok(result) => {
                 result.with_context(|| format!("cannot connect to PostgreSQL at {at}"))?
             }
@@ -163,52 +232,72 @@ mod db {
         let pool = PgPoolOptions::new()
             .max_connections(1)
             .acquire_timeout(timeout)
-            .connect_lazy_with(options);
-        let result = pending(&pool, schema).await;
-        pool.close().await;
-        let table = format!("{}.{}", schema.name(), schema.outbox_table());
-        let context = format!("cannot read the outbox {table} at {at}");
-        match result {
-            Ok(p) => Ok(p),
-            Err(redeliver_postgres::Error::MissingTable { .. }) => {
-                Err(anyhow::Error::new(OutboxMissing { table }).context(context))
-            }
-            Err(e) => Err(anyhow::Error::new(e).context(context)),
-        }
+            .connect_lazy_with(target.options.clone());
+        Ok(Db {
+            pool,
+            schema: target.schema.clone(),
+            at,
+        })
+    }
+
+    /// Seconds with millisecond resolution, for JSON: ages are measured by the database's
+    /// clock, at a statement's start.
+    pub(crate) fn age_seconds(age: Option<Duration>) -> Option<f64> {
+        age.map(|d| (d.as_secs_f64() * 1000.0).round() / 1000.0)
     }
 
     fn print(schema: &Schema, found: Pending, json: bool) -> anyhow::Result<()> {
         let outbox = format!("{}.{}", schema.name(), schema.outbox_table());
         if json {
-            // Millisecond resolution: the age is measured by the database's clock, at a
-            // statement's start.
-            let age = found
-                .oldest_age
-                .map(|d| (d.as_secs_f64() * 1000.0).round() / 1000.0);
             return output::print_json(
                 &StatusJson {
                     outbox,
                     schema: schema.name(),
                     table: schema.outbox_table(),
                     pending: found.count,
-                    oldest_age_seconds: age,
+                    oldest_age_seconds: age_seconds(found.oldest_age),
+                    retrying: found.retrying,
+                    parked: found.parked,
+                    oldest_parked_age_seconds: age_seconds(found.oldest_parked_age),
                 },
                 "the outbox status",
             );
         }
-        match found.oldest_age {
-            Some(age) if found.count > 0 => println!(
+        println!("{}", status_text(&outbox, &found));
+        Ok(())
+    }
+
+    /// The text of `outbox status`: one line, and one more when rows are parked.
+    fn status_text(outbox: &str, found: &Pending) -> String {
+        let mut out = match found.oldest_age {
+            Some(age) if found.count > 0 => format!(
                 "outbox {outbox}: {} pending, the oldest for {}",
                 found.count,
                 human_age(age)
             ),
-            _ => println!("outbox {outbox}: nothing pending"),
+            _ => format!("outbox {outbox}: nothing pending"),
+        };
+        if found.retrying > 0 {
+            out.push_str(&format!(
+                " ({} of them retrying after the broker refused them)",
+                found.retrying
+            ));
         }
-        Ok(())
+        if found.parked > 0 {
+            let since = found.oldest_parked_age.map_or_else(String::new, |a| {
+                format!(", the oldest for {}", human_age(a))
+            });
+            out.push_str(&format!(
+                "\noutbox {outbox}: {} parked (the relay gave up on them){since}: see \
+                 `redeliver outbox parked stats`",
+                found.parked
+            ));
+        }
+        out
     }
 
     /// Whole seconds from a second on (`1m 5s`), milliseconds below.
-    fn human_age(age: Duration) -> String {
+    pub(crate) fn human_age(age: Duration) -> String {
         let shown = if age >= Duration::from_secs(1) {
             Duration::from_secs(age.as_secs())
         } else {
@@ -277,13 +366,16 @@ mod db {
                         .to_owned(),
                 ),
                 Some("42501") => Some(
-                    "the user may not read the outbox table: GRANT USAGE on its schema and \
-                     SELECT on the table to it, or use the services' user"
+                    "the user may not use the outbox table: GRANT USAGE on its schema and \
+                     SELECT on the table to it (UPDATE for `outbox parked replay`, DELETE for \
+                     `outbox parked purge`), or use the services' user"
                         .to_owned(),
                 ),
                 Some("42703") => Some(
                     "the outbox table lacks a column the crate uses: its definition differs \
-                     from the redeliver-postgres crate's migrations/"
+                     from the redeliver-postgres crate's migrations/ (the retry and parking \
+                     columns come with outbox_0002_retry.sql, which a relay of this version \
+                     applies when it starts)"
                         .to_owned(),
                 ),
                 _ => None,
@@ -300,6 +392,30 @@ mod db {
         fn ages_are_whole_seconds_from_one_second_on() {
             assert_eq!(human_age(Duration::from_millis(65_400)), "1m 5s");
             assert_eq!(human_age(Duration::from_millis(250)), "250ms");
+        }
+
+        #[test]
+        fn status_names_the_retrying_and_parked_rows() {
+            let mut p = Pending {
+                count: 3,
+                oldest_age: Some(Duration::from_secs(65)),
+                retrying: 0,
+                parked: 0,
+                oldest_parked_age: None,
+            };
+            assert_eq!(
+                status_text("s.o", &p),
+                "outbox s.o: 3 pending, the oldest for 1m 5s"
+            );
+            p.retrying = 1;
+            p.parked = 2;
+            p.oldest_parked_age = Some(Duration::from_secs(7200));
+            assert_eq!(
+                status_text("s.o", &p),
+                "outbox s.o: 3 pending, the oldest for 1m 5s (1 of them retrying after the \
+                 broker refused them)\noutbox s.o: 2 parked (the relay gave up on them), the \
+                 oldest for 2h: see `redeliver outbox parked stats`"
+            );
         }
 
         #[test]

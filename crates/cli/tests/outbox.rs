@@ -97,6 +97,10 @@ async fn status_counts_the_pending_rows_and_the_age_of_the_oldest() {
     assert_eq!(v["pending"], 3);
     let age = v["oldest_age_seconds"].as_f64().expect("an age");
     assert!((90.0..150.0).contains(&age), "{age}");
+    // Nothing refused, nothing parked.
+    assert_eq!(v["retrying"], 0);
+    assert_eq!(v["parked"], 0);
+    assert!(v["oldest_parked_age_seconds"].is_null(), "{v}");
 
     // The schema from the services' variable, text output.
     let out = cli(

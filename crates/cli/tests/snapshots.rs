@@ -74,6 +74,27 @@ fn help_texts() {
         ("help_delay_probe", &["delay", "probe", "--help"]),
         ("help_outbox", &["outbox", "--help"]),
         ("help_outbox_status", &["outbox", "status", "--help"]),
+        ("help_outbox_parked", &["outbox", "parked", "--help"]),
+        (
+            "help_outbox_parked_list",
+            &["outbox", "parked", "list", "--help"],
+        ),
+        (
+            "help_outbox_parked_stats",
+            &["outbox", "parked", "stats", "--help"],
+        ),
+        (
+            "help_outbox_parked_peek",
+            &["outbox", "parked", "peek", "--help"],
+        ),
+        (
+            "help_outbox_parked_replay",
+            &["outbox", "parked", "replay", "--help"],
+        ),
+        (
+            "help_outbox_parked_purge",
+            &["outbox", "parked", "purge", "--help"],
+        ),
     ];
     for (name, args) in cases {
         // A secret in the environment must not show up in help ("hide_env_values").
@@ -210,6 +231,27 @@ fn purge_without_yes() {
     );
     assert_eq!(out.code, 2, "{out:?}");
     check("error_purge_without_yes", &out.stderr);
+}
+
+#[cfg(feature = "postgres")]
+#[test]
+fn outbox_purge_without_yes() {
+    // Refused before connecting: no database needed, exit code 2.
+    let out = cli_env(
+        &[
+            "outbox",
+            "parked",
+            "purge",
+            "--database-url",
+            "postgres://app:s3cret-pw@127.0.0.1:1/shop",
+            "--reason",
+            "retries_exhausted",
+        ],
+        &[],
+    );
+    assert_eq!(out.code, 2, "{out:?}");
+    assert!(!out.stderr.contains("s3cret-pw"), "{}", out.stderr);
+    check("error_outbox_purge_without_yes", &out.stderr);
 }
 
 #[test]

@@ -71,8 +71,16 @@ pub struct ParkedRow {
     pub exchange: String,
     /// Its routing key column.
     pub routing_key: String,
+    /// Its body (also in `message` when it could be read): an operator still sees what an
+    /// unreadable row would have published.
+    pub body: Vec<u8>,
     /// Size of the body in bytes.
     pub body_len: usize,
+    /// Its content type column (also in `message` when it could be read).
+    pub content_type: Option<String>,
+    /// Its headers column as stored, JSON text (read into `message` when it is an object of
+    /// strings): what makes an [`Unreadable`](ParkReason::Unreadable) row unreadable.
+    pub headers_json: Option<String>,
     /// Publishes the broker refused.
     pub attempts: u32,
     /// Why the last one failed, as the relay saw it.
@@ -310,6 +318,9 @@ fn parked_row(row: &sqlx::postgres::PgRow) -> Result<ParkedRow, Error> {
         exchange: row.try_get("exchange")?,
         routing_key: row.try_get("routing_key")?,
         body_len: body.len(),
+        body,
+        content_type: row.try_get("content_type")?,
+        headers_json: row.try_get("headers")?,
         attempts: u32::try_from(attempts).unwrap_or(0),
         last_error: row.try_get("last_error")?,
         reason: row.try_get("parked_reason")?,
