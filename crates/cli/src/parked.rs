@@ -194,8 +194,8 @@ impl<'a> RowJson<'a> {
             parked_at: rfc3339(row.parked_at),
             parked_age_seconds: age_seconds(Some(parked_age(row, now))),
             content_type: row.content_type.as_deref(),
-            unreadable: row.message.as_ref().err().map(String::as_str),
-            body_bytes: row.body_len,
+            unreadable: row.headers.as_ref().err().map(String::as_str),
+            body_bytes: row.body.len(),
             body_preview: with_preview.then(|| preview(&row.body, PREVIEW_CHARS)),
         }
     }
@@ -373,8 +373,8 @@ async fn peek(db: &Db, f: &ParkedFilter, limit: u32, json: bool) -> anyhow::Resu
             .iter()
             .map(|r| PeekJson {
                 row: RowJson::of(r, now, false),
-                headers: r.message.as_ref().ok().map(|m| &m.headers),
-                stored_headers: match &r.message {
+                headers: r.headers.as_ref().ok(),
+                stored_headers: match &r.headers {
                     Ok(_) => None,
                     Err(_) => r.headers_json.as_deref(),
                 },
@@ -452,18 +452,15 @@ fn row_text(row: &ParkedRow, now: SystemTime) -> String {
             .as_deref()
             .map_or_else(|| "-".to_owned(), value_line),
     );
-    match &row.message {
-        Ok(m) if m.headers.is_empty() => out.push_str("headers: (none)\n"),
-        Ok(m) => {
+    match &row.headers {
+        Ok(headers) if headers.is_empty() => out.push_str("headers: (none)\n"),
+        Ok(headers) => {
             out.push_str("headers:\n");
-            for (k, v) in m.headers.iter().take(output::MAX_ITEMS) {
+            for (k, v) in headers.iter().take(output::MAX_ITEMS) {
                 out.push_str(&format!("  {}: {}\n", value_line(k), value_line(v)));
             }
-            if m.headers.len() > output::MAX_ITEMS {
-                out.push_str(&format!(
-                    "  … {} more\n",
-                    m.headers.len() - output::MAX_ITEMS
-                ));
+            if headers.len() > output::MAX_ITEMS {
+                out.push_str(&format!("  … {} more\n", headers.len() - output::MAX_ITEMS));
             }
         }
         Err(why) => {

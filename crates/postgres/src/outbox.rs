@@ -299,12 +299,7 @@ pub(crate) fn missing_table(schema: &Schema, e: sqlx::Error) -> Error {
 pub(crate) fn read_message(row: &sqlx::postgres::PgRow) -> Result<OutboxMessage, Error> {
     let id: i64 = row.try_get("id")?;
     let headers: Option<String> = row.try_get("headers")?;
-    let headers = match headers {
-        Some(json) => {
-            serde_json::from_str(&json).map_err(|source| Error::Headers { id, source })?
-        }
-        None => BTreeMap::new(),
-    };
+    let headers = parse_headers(id, headers.as_deref())?;
     Ok(OutboxMessage {
         exchange: row.try_get("exchange")?,
         routing_key: row.try_get("routing_key")?,
@@ -313,4 +308,15 @@ pub(crate) fn read_message(row: &sqlx::postgres::PgRow) -> Result<OutboxMessage,
         headers,
         message_id: row.try_get("message_id")?,
     })
+}
+
+/// The headers column of row `id`: a JSON object of strings, or none.
+pub(crate) fn parse_headers(
+    id: i64,
+    json: Option<&str>,
+) -> Result<BTreeMap<String, String>, Error> {
+    match json {
+        Some(json) => serde_json::from_str(json).map_err(|source| Error::Headers { id, source }),
+        None => Ok(BTreeMap::new()),
+    }
 }

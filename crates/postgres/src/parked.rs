@@ -7,12 +7,13 @@
 //! strings: a row written by something else than [`Outbox::store`](crate::Outbox::store)).
 //! Nothing is ever deleted but by [`ParkedRows::purge`] or after its publish was confirmed.
 
+use std::collections::BTreeMap;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use sqlx::{PgPool, Postgres, QueryBuilder, Row};
 
 use crate::error::Error;
-use crate::outbox::{read_message, OutboxMessage};
+use crate::outbox::{parse_headers, OutboxMessage};
 use crate::schema::Schema;
 
 /// Why a row was parked: the value of its `parked_reason` column.
@@ -62,24 +63,20 @@ impl std::fmt::Display for ParkReason {
 pub struct ParkedRow {
     /// The row's id in the outbox table.
     pub id: i64,
-    /// The message as stored, or why it cannot be read (an [`Unreadable`](ParkReason::Unreadable)
-    /// row): its other columns are still shown.
-    pub message: Result<OutboxMessage, String>,
-    /// The row's `message_id` column (also in `message` when it could be read).
+    /// The row's `message_id` column.
     pub message_id: String,
     /// Its exchange column.
     pub exchange: String,
     /// Its routing key column.
     pub routing_key: String,
-    /// Its body (also in `message` when it could be read): an operator still sees what an
-    /// unreadable row would have published.
+    /// Its body.
     pub body: Vec<u8>,
-    /// Size of the body in bytes.
-    pub body_len: usize,
-    /// Its content type column (also in `message` when it could be read).
+    /// Its content type column.
     pub content_type: Option<String>,
-    /// Its headers column as stored, JSON text (read into `message` when it is an object of
-    /// strings): what makes an [`Unreadable`](ParkReason::Unreadable) row unreadable.
+    /// Its headers, or why they cannot be read (what makes an
+    /// [`Unreadable`](ParkReason::Unreadable) row unreadable; `headers_json` shows them).
+    pub headers: Result<BTreeMap<String, String>, String>,
+    /// Its headers column as stored, JSON text.
     pub headers_json: Option<String>,
     /// Publishes the broker refused.
     pub attempts: u32,
@@ -92,6 +89,21 @@ pub struct ParkedRow {
     pub created_at: SystemTime,
     /// When the relay parked it.
     pub parked_at: SystemTime,
+}
+
+impl ParkedRow {
+    /// The message the row holds, as the relay would publish it; `Err` with why for an
+    /// unreadable row.
+    pub fn message(&self) -> Result<OutboxMessage, String> {
+        Ok(OutboxMessage {
+            exchange: self.exchange.clone(),
+            routing_key: self.routing_key.clone(),
+            body: self.body.clone(),
+            content_type: self.content_type.clone(),
+            headers: self.headers.clone()?,
+            message_id: self.message_id.clone(),
+        })
+    }
 }
 
 /// Which parked rows a command acts on. Every criterion given must hold (AND); several ids or
@@ -307,20 +319,19 @@ fn most_first<K: Ord>(counts: std::collections::BTreeMap<K, u64>) -> Vec<(K, u64
 
 fn parked_row(row: &sqlx::postgres::PgRow) -> Result<ParkedRow, Error> {
     let id: i64 = row.try_get("id")?;
-    let body: Vec<u8> = row.try_get("body")?;
     let attempts: i32 = row.try_get("attempts")?;
     let created: f64 = row.try_get("created")?;
     let parked: f64 = row.try_get("parked")?;
+    let headers_json: Option<String> = row.try_get("headers")?;
     Ok(ParkedRow {
         id,
-        message: read_message(row).map_err(|e| e.to_string()),
         message_id: row.try_get("message_id")?,
         exchange: row.try_get("exchange")?,
         routing_key: row.try_get("routing_key")?,
-        body_len: body.len(),
-        body,
+        body: row.try_get("body")?,
         content_type: row.try_get("content_type")?,
-        headers_json: row.try_get("headers")?,
+        headers: parse_headers(id, headers_json.as_deref()).map_err(|e| e.to_string()),
+        headers_json,
         attempts: u32::try_from(attempts).unwrap_or(0),
         last_error: row.try_get("last_error")?,
         reason: row.try_get("parked_reason")?,

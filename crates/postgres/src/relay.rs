@@ -719,7 +719,13 @@ impl Relay {
                         // One round serves every commit notified so far.
                         Ok(_) => while l.next_buffered().is_some() {},
                         Err(e) => {
-                            // sqlx reconnects on the next recv; poll meanwhile.
+                            // sqlx reconnects on the next recv; poll meanwhile. The LISTEN
+                            // connection is the first to notice a database gone: not ready
+                            // until a round reaches it again (a round would wait out the pool's
+                            // acquire timeout before it could tell).
+                            if matches!(e, sqlx::Error::Io(_)) || transient_db(&e) {
+                                self.flags.database_down.store(true, Ordering::Release);
+                            }
                             tracing::warn!(error = %e, "outbox notification listener failed");
                             tokio::time::sleep(self.poll_interval).await;
                         }

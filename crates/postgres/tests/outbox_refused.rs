@@ -332,7 +332,7 @@ async fn a_row_refused_to_the_end_is_parked_and_a_replay_publishes_it() {
         .await
         .unwrap()
         .remove(0);
-    assert_eq!(row.message.as_ref().unwrap(), &stuck);
+    assert_eq!(row.message().unwrap(), stuck);
     assert_eq!(row.attempts, 3, "the first publish and 2 retries");
     assert_eq!(row.reason, "retries_exhausted");
     assert!(row.last_error.unwrap().contains("unroutable"));
