@@ -601,8 +601,9 @@ impl Report {
 `Relay` (LISTEN/NOTIFY, default batch size) publishing, a plain auto-ack consumer on the \
 destination queue; measured from just after the producer's `COMMIT` returned to the delivery \
 reaching that consumer (**commit to delivery**: it bounds commit to confirmed publish from above). \
-Throughput: the backlog committed with no relay running, then one relay started; rows/s = rows / \
-(start of the relay -> table empty; a row is deleted only after the broker confirmed it). CPU per \
+Throughput: the backlog committed with no relay running, then one relay started (it opens its own \
+broker connection); rows/s = rows / (start of the relay -> table empty; a row is deleted only after \
+the broker confirmed it). CPU per \
 row over that drain: the bench process (the relay, in process), all PostgreSQL processes, the \
 broker node.\n"
         );
