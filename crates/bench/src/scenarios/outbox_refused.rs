@@ -42,10 +42,10 @@ pub const REFUSED_EVERY: u64 = 100;
 const REFUSED_AT: u64 = REFUSED_EVERY / 2;
 
 /// The relay's policy in both variants: 100 ms doubling, full jitter, 3 retries, so a refused row
-/// is refused 4 times and parked within about a second, inside the drain. The default policy
-/// (1 s doubling to 5 min, 12 retries) would retry each refused row once or twice during a
-/// 3-second drain and park none: this one does more refusal work per refused row, and takes the
-/// park path too, in the measured window.
+/// is refused 4 times and parked inside the drain (its three backoffs add up to 0.7 s at most).
+/// The default policy (1 s doubling to 5 min, 12 retries) would retry each refused row once or
+/// twice during a 3-second drain and park none: this one does more refusal work per refused
+/// row, and takes the park path too, in the measured window.
 pub fn refused_policy() -> RetryPolicy {
     RetryPolicy::exponential(Duration::from_millis(100))
         .cap(Duration::from_secs(1))
