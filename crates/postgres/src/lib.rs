@@ -93,9 +93,9 @@ pub use inbox::{
 pub use outbox::{pending, Outbox, OutboxMessage, Pending};
 pub use parked::{ParkReason, ParkedFilter, ParkedRow, ParkedRows, ParkedStats};
 pub use relay::{
-    default_relay_policy, Relay, RelayState, RelayStatus, OUTBOX_OLDEST_AGE_SECONDS,
-    OUTBOX_PARKED, OUTBOX_PARKED_OLDEST_AGE_SECONDS, OUTBOX_PARKED_TOTAL, OUTBOX_PENDING,
-    OUTBOX_PUBLISHED_TOTAL, OUTBOX_REFUSED_TOTAL,
+    default_relay_policy, Relay, RelayState, RelayStatus, OUTBOX_OLDEST_AGE_SECONDS, OUTBOX_PARKED,
+    OUTBOX_PARKED_OLDEST_AGE_SECONDS, OUTBOX_PARKED_TOTAL, OUTBOX_PENDING, OUTBOX_PUBLISHED_TOTAL,
+    OUTBOX_REFUSED_TOTAL,
 };
 
 pub use schema::Schema;

@@ -116,7 +116,9 @@ impl ParkedFilter {
     /// Appends ` AND …` for each criterion.
     fn push_where(&self, q: &mut QueryBuilder<'_, Postgres>) {
         if !self.ids.is_empty() {
-            q.push(" AND id = ANY(").push_bind(self.ids.clone()).push(")");
+            q.push(" AND id = ANY(")
+                .push_bind(self.ids.clone())
+                .push(")");
         }
         if !self.message_ids.is_empty() {
             q.push(" AND message_id = ANY(")

@@ -12,9 +12,7 @@ use redeliver_amqp::lapin::types::FieldTable;
 use redeliver_amqp::lapin::{Channel, Connection, ConnectionProperties, ExchangeKind};
 use redeliver_amqp::url::BrokerUrl;
 use redeliver_amqp::{DelayConfig, PublishError, Publisher, ServerInfo, TlsConfig};
-use redeliver_core::{
-    Backoff, DeadLetterReason, Decision, HandlerError, Jitter, RetryPolicy,
-};
+use redeliver_core::{Backoff, DeadLetterReason, Decision, HandlerError, Jitter, RetryPolicy};
 use sqlx::postgres::PgListener;
 use sqlx::{PgPool, Row};
 use tokio::sync::watch;
@@ -608,8 +606,8 @@ impl Relay {
     }
 
     async fn connect(&self, url: &BrokerUrl) -> Result<Link, Error> {
-        let props =
-            ConnectionProperties::default().with_connection_name(self.connection_name.clone().into());
+        let props = ConnectionProperties::default()
+            .with_connection_name(self.connection_name.clone().into());
         let max_message_size = match self.max_message_size {
             Some(limit) => Some(limit),
             None => {
@@ -853,8 +851,7 @@ impl Relay {
         }
 
         if round.lost.is_none() && link.connected() && !concurrent.is_empty() {
-            let results =
-                join_all(concurrent.iter().map(|(_, m)| self.publish_one(link, m))).await;
+            let results = join_all(concurrent.iter().map(|(_, m)| self.publish_one(link, m))).await;
             let mut channel_closed = false;
             for ((i, _), fate) in concurrent.iter().zip(results) {
                 let row = &mut taken[*i];
