@@ -6,7 +6,7 @@ use clap::ValueEnum;
 
 pub const DEFAULT_URL: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
 
-/// The database of scenarios 7 and 8 (inbox, outbox): the PostgreSQL tests' default (trust
+/// The database of scenarios 7 to 9 (inbox, outbox): the PostgreSQL tests' default (trust
 /// authentication, database `test`, as `scripts/postgres.sh up` sets it up).
 pub const DEFAULT_DATABASE_URL: &str = "postgres://postgres@127.0.0.1:5432/test";
 
@@ -65,6 +65,8 @@ pub enum Scenario {
     Inbox,
     /// The outbox relay: commit-to-delivery latency and rows/s.
     Outbox,
+    /// The outbox relay with 1 % of the rows refused by the broker, against none: good rows/s.
+    OutboxRefused,
 }
 
 impl Scenario {
@@ -78,12 +80,16 @@ impl Scenario {
             Scenario::Inflight,
             Scenario::Inbox,
             Scenario::Outbox,
+            Scenario::OutboxRefused,
         ]
     }
 
     /// Whether the scenario needs PostgreSQL.
     pub fn needs_postgres(self) -> bool {
-        matches!(self, Scenario::Inbox | Scenario::Outbox)
+        matches!(
+            self,
+            Scenario::Inbox | Scenario::Outbox | Scenario::OutboxRefused
+        )
     }
 }
 
@@ -116,7 +122,7 @@ pub struct Sizes {
     pub inbox_paced_rate: u64,
     /// Scenario 8: messages stored at [`OUTBOX_RATE`] for the commit-to-delivery latency.
     pub outbox_latency: u64,
-    /// Scenario 8: rows committed before the relay starts, for its rows/s.
+    /// Scenarios 8 and 9: rows committed before the relay starts, for its rows/s.
     pub outbox_backlog: u64,
 }
 

@@ -33,7 +33,7 @@ struct Cli {
     #[arg(long)]
     short: bool,
     /// Interleaved rounds per side of the throughput scenarios (happy, retry, scale, inbox;
-    /// outbox runs once per round)
+    /// outbox runs once per round, outbox-refused its clean and refused backlogs once each)
     /// [default: 5; 2 with --short]. Fewer than 3 never give a conclusive ratio.
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
     rounds: Option<u32>,

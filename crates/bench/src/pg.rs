@@ -1,5 +1,6 @@
-//! PostgreSQL for scenarios 7 and 8 (inbox, outbox): connecting with a clear message when the
-//! database is not there, the run's own schema, pools, and the database's CPU time.
+//! PostgreSQL for scenarios 7 to 9 (inbox, outbox, outbox with refused rows): connecting with
+//! a clear message when the database is not there, the run's own schema, pools, and the
+//! database's CPU time.
 
 use std::time::Duration;
 
@@ -77,7 +78,7 @@ pub fn schema_name(run_prefix: &str) -> String {
     run_prefix.trim_end_matches('-').replace('-', "_")
 }
 
-/// What scenarios 7 and 8 share: the database URL, a small pool of the parent's, the run's schema.
+/// What scenarios 7 to 9 share: the database URL, a small pool of the parent's, the run's schema.
 pub struct PgCtx {
     pub url: String,
     pub pool: PgPool,

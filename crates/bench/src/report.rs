@@ -123,6 +123,48 @@ pub struct OutboxRow {
     pub broker_cpu_us_per_row: Option<f64>,
 }
 
+/// The two backlogs of scenario 9.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RefusedVariant {
+    /// Every row routable.
+    Clean,
+    /// 1 % of the rows refused by the broker (returned: no queue has their routing key).
+    Refused,
+}
+
+impl RefusedVariant {
+    pub fn name(self) -> &'static str {
+        match self {
+            RefusedVariant::Clean => "clean",
+            RefusedVariant::Refused => "refused",
+        }
+    }
+}
+
+/// One drain of scenario 9 (outbox relay, 1 % of rows refused or none).
+pub struct OutboxRefusedRow {
+    pub round: u32,
+    pub variant: RefusedVariant,
+    /// Rows committed before the relay started: `good` + `refused`.
+    pub rows: u64,
+    pub good: u64,
+    pub refused: u64,
+    /// The relay connected -> the consumer received the last good row.
+    pub drain_secs: f64,
+    pub good_per_s: f64,
+    /// The bench process (relay and consumer), per good row.
+    pub relay_cpu_us_per_row: f64,
+    pub db_cpu_us_per_row: Option<f64>,
+    pub broker_cpu_us_per_row: Option<f64>,
+    /// Refusals recorded on the rows left once the relay stopped (their `attempts`).
+    pub refusals: u64,
+    /// Refused rows left waiting for a retry, and parked, once the relay stopped.
+    pub retrying: u64,
+    pub parked: u64,
+    /// Good rows the consumer received more than once.
+    pub duplicates: u64,
+}
+
 /// Median and min-max of per-round values (ratios of a round pair).
 #[derive(Clone, Debug)]
 pub struct RoundStats {
@@ -239,6 +281,7 @@ pub struct Report {
     pub scale: Vec<ScaleRow>,
     pub inflight: Vec<InflightRow>,
     pub outbox: Vec<OutboxRow>,
+    pub outbox_refused: Vec<OutboxRefusedRow>,
     pub targets: Vec<Target>,
     pub errors: Vec<String>,
 }
@@ -304,6 +347,27 @@ impl Report {
         })
     }
 
+    /// Good rows/s with 1 % refused / without, of every round where both ran (scenario 9).
+    pub fn refused_ratio(&self) -> Option<RoundStats> {
+        let of = |round: u32, v: RefusedVariant| {
+            self.outbox_refused
+                .iter()
+                .find(|r| r.round == round && r.variant == v)
+        };
+        let mut rounds: Vec<u32> = self.outbox_refused.iter().map(|r| r.round).collect();
+        rounds.sort_unstable();
+        rounds.dedup();
+        let ratios: Vec<f64> = rounds
+            .into_iter()
+            .filter_map(|round| {
+                let clean = of(round, RefusedVariant::Clean)?;
+                let refused = of(round, RefusedVariant::Refused)?;
+                (clean.good_per_s > 0.0).then(|| refused.good_per_s / clean.good_per_s)
+            })
+            .collect();
+        (!ratios.is_empty()).then(|| RoundStats::of(ratios))
+    }
+
     /// (scenario, queue, side) in the order first measured.
     fn groups(&self) -> Vec<(String, QueueKind, Side)> {
         let mut g: Vec<(String, QueueKind, Side)> = Vec::new();
@@ -342,6 +406,9 @@ impl Report {
         }
         if !self.outbox.is_empty() {
             self.render_outbox(&mut s);
+        }
+        if !self.outbox_refused.is_empty() {
+            self.render_outbox_refused(&mut s);
         }
         if !self.scale.is_empty() {
             self.render_scale(&mut s);
@@ -601,8 +668,9 @@ impl Report {
 `Relay` (LISTEN/NOTIFY, default batch size) publishing, a plain auto-ack consumer on the \
 destination queue; measured from just after the producer's `COMMIT` returned to the delivery \
 reaching that consumer (**commit to delivery**: it bounds commit to confirmed publish from above). \
-Throughput: the backlog committed with no relay running, then one relay started; rows/s = rows / \
-(start of the relay -> table empty; a row is deleted only after the broker confirmed it). CPU per \
+Throughput: the backlog committed with no relay running, then one relay started (it opens its own \
+broker connection); rows/s = rows / (start of the relay -> table empty; a row is deleted only after \
+the broker confirmed it). CPU per \
 row over that drain: the bench process (the relay, in process), all PostgreSQL processes, the \
 broker node.\n"
         );
@@ -659,6 +727,97 @@ broker node.\n"
             median(&col(|r| r.relay_cpu_us_per_row)),
             opt1(opt_col(|r| r.db_cpu_us_per_row)),
             opt1(opt_col(|r| r.broker_cpu_us_per_row)),
+        );
+    }
+
+    fn render_outbox_refused(&self, s: &mut String) {
+        let _ = writeln!(
+            s,
+            "\n#### Outbox relay with refused rows (scenario 9): good rows/s, 1 % refused against none\n"
+        );
+        let _ = writeln!(
+            s,
+            "Each round drains two committed backlogs of the same size with one `Relay` (default batch \
+size, its own broker connection), in turn (clean first, then refused first in the next round). \
+**refused**: every 100th row goes to the default exchange with a routing key no queue has, so the \
+broker returns it; the relay retries it (policy: 100 ms doubling, full jitter, 3 retries) and \
+parks it after its 4th refusal. good rows/s = good rows / (relay connected -> the last good row \
+reached a plain auto-ack consumer). After each drain: every good row reached the consumer and left \
+the table, every refused row is still in it (retrying or parked). CPU per good row over the drain: \
+the bench process (relay and consumer), all PostgreSQL processes, the broker node.\n"
+        );
+        let _ = writeln!(
+            s,
+            "| round | backlog | rows | refused | drain s | good rows/s | bench process CPU us/good row | PostgreSQL CPU us/good row | broker CPU us/good row | refusals recorded | left retrying | left parked | duplicates |"
+        );
+        let _ = writeln!(
+            s,
+            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+        );
+        for r in &self.outbox_refused {
+            let _ = writeln!(
+                s,
+                "| {} | {} | {} | {} | {:.2} | {} | {:.1} | {} | {} | {} | {} | {} | {} |",
+                r.round + 1,
+                r.variant.name(),
+                r.rows,
+                r.refused,
+                r.drain_secs,
+                rate(r.good_per_s),
+                r.relay_cpu_us_per_row,
+                opt1(r.db_cpu_us_per_row),
+                opt1(r.broker_cpu_us_per_row),
+                r.refusals,
+                r.retrying,
+                r.parked,
+                r.duplicates,
+            );
+        }
+        for v in [RefusedVariant::Clean, RefusedVariant::Refused] {
+            let rates: Vec<f64> = self
+                .outbox_refused
+                .iter()
+                .filter(|r| r.variant == v)
+                .map(|r| r.good_per_s)
+                .collect();
+            if rates.is_empty() {
+                continue;
+            }
+            let (lo, hi) = min_max(&rates);
+            let _ = writeln!(
+                s,
+                "| **median of {}** | {} | | | | **{}** (min-max {}-{}) | | | | | | | |",
+                rates.len(),
+                v.name(),
+                rate(median(&rates)),
+                rate(lo),
+                rate(hi),
+            );
+        }
+        let Some(r) = self.refused_ratio() else {
+            return;
+        };
+        let _ = writeln!(
+            s,
+            "\n| good rows/s, refused / clean | round pairs | median | min-max | spread (max/min) | conclusive | every round's ratio |"
+        );
+        let _ = writeln!(s, "|---|---:|---:|---|---:|---|---|");
+        let _ = writeln!(
+            s,
+            "| 1 % refused | {} | **{:.2}x** | {} | {:.2} | {} | {} |",
+            r.values.len(),
+            r.median,
+            r.cell(),
+            r.spread(),
+            match r.conclusive(None) {
+                Ok(()) => "yes".to_string(),
+                Err(why) => why,
+            },
+            r.values
+                .iter()
+                .map(|v| format!("{v:.2}"))
+                .collect::<Vec<_>>()
+                .join(" / ")
         );
     }
 
@@ -815,6 +974,65 @@ mod tests {
         assert!(
             text.contains(
                 "| **median of 3** | 3000 at 500/s | **5.0** | **9.0** (min-max 9.0-9.0) |"
+            ),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn refused_rows_pair_the_variants_of_each_round() {
+        let mut r = Report::default();
+        let row = |round, variant, good_per_s| OutboxRefusedRow {
+            round,
+            variant,
+            rows: 1000,
+            good: if variant == RefusedVariant::Refused {
+                990
+            } else {
+                1000
+            },
+            refused: if variant == RefusedVariant::Refused {
+                10
+            } else {
+                0
+            },
+            drain_secs: 1.0,
+            good_per_s,
+            relay_cpu_us_per_row: 30.0,
+            db_cpu_us_per_row: None,
+            broker_cpu_us_per_row: Some(50.0),
+            refusals: 40,
+            retrying: 0,
+            parked: 10,
+            duplicates: 0,
+        };
+        // Round 1 clean first, round 2 refused first, as the scenario runs them.
+        r.outbox_refused.push(row(0, RefusedVariant::Clean, 1000.0));
+        r.outbox_refused
+            .push(row(0, RefusedVariant::Refused, 950.0));
+        r.outbox_refused
+            .push(row(1, RefusedVariant::Refused, 800.0));
+        r.outbox_refused.push(row(1, RefusedVariant::Clean, 1000.0));
+        r.outbox_refused.push(row(2, RefusedVariant::Clean, 1000.0));
+        r.outbox_refused
+            .push(row(2, RefusedVariant::Refused, 900.0));
+        // A round whose refused drain failed pairs nothing.
+        r.outbox_refused.push(row(3, RefusedVariant::Clean, 2000.0));
+        let ratio = r.refused_ratio().unwrap();
+        assert_eq!(ratio.values, vec![0.95, 0.8, 0.9]);
+        assert_eq!(ratio.median, 0.9);
+        let text = r.render("### test");
+        assert!(
+            text.contains("| 1 % refused | 3 | **0.90x** | 0.80-0.95 |"),
+            "{text}"
+        );
+        assert!(
+            text.contains("| **median of 3** | refused | | | | **900** (min-max 800-950) |"),
+            "{text}"
+        );
+        assert!(
+            text.contains(
+                "| 2 | refused | 1000 | 10 | 1.00 | 800 | 30.0 | n/a | 50.0 | 40 | 0 | 10 | 0 |"
             ),
             "{text}"
         );

@@ -5,6 +5,7 @@ mod happy;
 mod inbox;
 mod inflight;
 mod outbox;
+mod outbox_refused;
 mod park;
 mod retry;
 mod scale;
@@ -34,7 +35,7 @@ use crate::stats;
 pub struct RunOptions {
     pub url: String,
     pub management_url: String,
-    /// PostgreSQL of scenarios 7 and 8 (connected only when one of them is selected).
+    /// PostgreSQL of scenarios 7 to 9 (connected only when one of them is selected).
     pub database_url: String,
     pub sizes: Sizes,
     pub short: bool,
@@ -137,7 +138,7 @@ impl Ctx {
         self.broker_pid.and_then(stats::cpu_us_of)
     }
 
-    /// The database of scenarios 7 and 8 (connected at the start of a run that selects them).
+    /// The database of scenarios 7 to 9 (connected at the start of a run that selects them).
     pub fn pg(&self) -> Result<&PgCtx> {
         self.pg
             .as_ref()
@@ -317,7 +318,8 @@ same `INSERT` in a handler behind `Inbox` (which first inserts its own row with 
 NOTHING` in the same transaction), both with {DB_CONCURRENCY} handlers in flight and a sqlx pool of \
 as many connections (prefetch {PREFETCH}).\n\n\
 Method: scenarios 1, 2, 5 and 7 run {rounds} interleaved round(s) per side (A B C, then C B A, ...); \
-scenario 8 (outbox) runs once per round. \
+scenario 8 (outbox) runs once per round, scenario 9 (outbox-refused) its two backlogs once per \
+round, alternating which goes first. \
 consume msg/s = drain rate of a pre-published backlog, from the first delivery handled to the last \
 (retry: completed round trips); each side's figures are the median over its rounds, with min-max. \
 The ratios pair the two sides of the same round (redeliver / raw of round 1, of round 2, ...) and \
@@ -473,6 +475,7 @@ async fn run_scenarios(ctx: &Ctx, only: &[Scenario], report: &mut Report) -> Res
             Scenario::Inflight => inflight::run(ctx, report).await,
             Scenario::Inbox => inbox::run(ctx, report).await,
             Scenario::Outbox => outbox::run(ctx, report).await,
+            Scenario::OutboxRefused => outbox_refused::run(ctx, report).await,
         };
         if let Err(e) = r {
             eprintln!("scenario {s:?} failed: {e:#}");
@@ -521,6 +524,15 @@ fn add_targets(report: &mut Report) {
             "redeliver Inbox / hand-written transaction + ack >= 0.8 (median of per-round ratios)",
             &c.msg_ratio,
             0.8,
+            true,
+        ));
+    }
+    if let Some(r) = report.refused_ratio() {
+        targets.push(Target::from_ratio(
+            "outbox relay, 1 % of rows refused: good rows/s".into(),
+            "with 1 % refused / none refused, same round >= 0.9 (median of per-round ratios)",
+            &r,
+            0.9,
             true,
         ));
     }

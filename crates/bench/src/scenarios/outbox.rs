@@ -8,8 +8,12 @@
 //!    reaching the consumer. The relay does not expose when the broker confirmed each publish,
 //!    so this bounds commit-to-confirm from above: it adds the broker's delivery to the consumer.
 //! 2. **Relay throughput.** N rows committed with no relay running, then one relay started:
-//!    rows/s = N / (time from starting it to the table being empty). Every row is deleted only
-//!    after the broker's confirm, so an empty table means every message confirmed.
+//!    rows/s = N / (time from starting it to the table being empty), its pool, its broker
+//!    connection (the relay connects itself) and its schema check included. Every row is deleted
+//!    only after the broker's confirm, so an empty table means every message confirmed.
+//!
+//! The relay runs with its defaults (batch size 100, the default retry policy): nothing is
+//! refused here; scenario 9 (`outbox_refused`) is the relay with refused rows.
 //!
 //! Producer, relay and consumer run in the bench process itself (not a child): they share
 //! one clock, and there is no second side whose memory or CPU has to be kept apart.
@@ -22,7 +26,6 @@ use anyhow::{anyhow, bail, Context, Result};
 use futures::stream::{FuturesUnordered, StreamExt};
 use lapin::options::BasicConsumeOptions;
 use lapin::types::FieldTable;
-use redeliver_amqp::Publisher;
 use redeliver_postgres::{Outbox, OutboxMessage, Relay};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
@@ -38,7 +41,7 @@ use crate::report::{OutboxRow, Report};
 use crate::stats::{self, Histogram};
 
 /// Rows per transaction when the backlog of phase 2 is stored (its speed is not measured).
-const BACKLOG_TX_ROWS: u64 = 500;
+const BACKLOG_TX_ROWS: usize = 500;
 /// Connections of each relay's pool: its LISTEN, its round's transaction, its gauges' count.
 const RELAY_POOL: usize = 4;
 
@@ -123,7 +126,7 @@ fn lock(t: &Mutex<Timing>) -> std::sync::MutexGuard<'_, Timing> {
 }
 
 /// The bench's 1 KB JSON body, the same size as every other scenario's messages.
-fn body(pad: &str, seq: u64) -> Result<Vec<u8>> {
+pub(super) fn body(pad: &str, seq: u64) -> Result<Vec<u8>> {
     Ok(serde_json::to_vec(&PayloadOut {
         seq,
         ts_ns: payload::now_ns(),
@@ -143,35 +146,63 @@ async fn store_one(pg: &PgCtx, outbox: &Outbox, message: &OutboxMessage) -> Resu
     Ok(())
 }
 
-/// A relay of the run's schema on a broker connection and a pool of its own, as a service would
-/// run it; started at once.
+/// Commits `messages` to the run's outbox, [`BACKLOG_TX_ROWS`] per transaction and a few
+/// transactions at once (not timed: the relay is not running).
+pub(super) async fn store_backlog(pg: &PgCtx, messages: &[OutboxMessage]) -> Result<()> {
+    let outbox = Outbox::new(pg.schema.clone());
+    let mut chunks = messages.chunks(BACKLOG_TX_ROWS);
+    let mut running = FuturesUnordered::new();
+    loop {
+        while running.len() < 4 {
+            let Some(chunk) = chunks.next() else {
+                break;
+            };
+            let outbox = &outbox;
+            running.push(async move {
+                let mut tx = pg.pool.begin().await.context("BEGIN")?;
+                for m in chunk {
+                    outbox
+                        .store(&mut tx, m)
+                        .await
+                        .context("storing the backlog")?;
+                }
+                tx.commit().await.context("COMMIT")?;
+                Ok::<_, anyhow::Error>(())
+            });
+        }
+        match running.next().await {
+            Some(r) => r?,
+            None => return Ok(()),
+        }
+    }
+}
+
+/// A relay of the run's schema with a pool of its own, connecting to the run's broker itself
+/// (TLS from the same variables as the consumers), as a service would run it; started at once.
 async fn start_relay(
     ctx: &Ctx,
     pg: &PgCtx,
     token: &CancellationToken,
-) -> Result<(
-    lapin::Connection,
-    JoinHandle<Result<(), redeliver_postgres::Error>>,
-)> {
-    let conn = broker::connect(&ctx.url).await?;
-    let publisher = Publisher::new(&conn, ctx.delay(QueueKind::Quorum).clone())
-        .await
-        .context("creating the relay's Publisher")?;
+) -> Result<JoinHandle<Result<(), redeliver_postgres::Error>>> {
+    Ok(tokio::spawn(relay(ctx, pg).await?.run(token.clone())))
+}
+
+/// The relay [`start_relay`] starts, not started yet.
+pub(super) async fn relay(ctx: &Ctx, pg: &PgCtx) -> Result<Relay> {
     let pool = crate::pg::pool(&pg.url, RELAY_POOL).await?;
-    let relay = Relay::new(pool, pg.schema.clone(), publisher);
-    Ok((conn, tokio::spawn(relay.run(token.clone()))))
+    Ok(Relay::new(pool, ctx.url.clone())
+        .schema(pg.schema.clone())
+        .tls(broker::tls_from_env())
+        .connection_name(format!("{}outbox-relay", ctx.prefix)))
 }
 
 /// Stops a relay and reports how it ended.
-async fn stop_relay(
-    conn: lapin::Connection,
+pub(super) async fn stop_relay(
     token: &CancellationToken,
     relay: JoinHandle<Result<(), redeliver_postgres::Error>>,
 ) -> Result<()> {
     token.cancel();
-    let ended = tokio::time::timeout(Duration::from_secs(30), relay).await;
-    let _ = conn.close(200, "bench done".into()).await;
-    match ended {
+    match tokio::time::timeout(Duration::from_secs(30), relay).await {
         Ok(Ok(Ok(()))) => Ok(()),
         Ok(Ok(Err(e))) => Err(anyhow!(e).context("the outbox relay failed")),
         Ok(Err(e)) => Err(anyhow!("the outbox relay task panicked: {e}")),
@@ -240,7 +271,7 @@ async fn latency(ctx: &Ctx, pg: &PgCtx, round: u32) -> Result<Histogram> {
         };
 
         let outbox = Outbox::new(pg.schema.clone());
-        let (relay_conn, relay) = start_relay(ctx, pg, &token).await?;
+        let relay = start_relay(ctx, pg, &token).await?;
         // One message through the whole path before the clock starts: the relay has prepared its
         // schema and is LISTENing (its first round comes after the LISTEN), the consumer is up.
         let pad = payload::padding();
@@ -286,7 +317,7 @@ async fn latency(ctx: &Ctx, pg: &PgCtx, round: u32) -> Result<Histogram> {
         let arrived = tokio::time::timeout(Duration::from_secs(60), count_rx.wait_for(|c| *c > n))
             .await
             .is_ok_and(|r| r.is_ok());
-        let stopped = stop_relay(relay_conn, &token, relay).await;
+        let stopped = stop_relay(&token, relay).await;
         match consumer.await {
             Ok(Ok(())) => {}
             Ok(Err(e)) => return Err(e.context("the outbox consumer failed")),
@@ -328,33 +359,12 @@ async fn throughput(ctx: &Ctx, pg: &PgCtx, round: u32) -> Result<Throughput> {
     let result = async {
         pg.truncate(&[pg.schema.outbox_table()]).await?;
         let n = ctx.sizes.outbox_backlog;
-        let outbox = Outbox::new(pg.schema.clone());
         let pad = payload::padding();
-        // The backlog, a few transactions at once (not timed).
-        let mut chunks = FuturesUnordered::new();
-        let mut next = 0u64;
-        while next < n || !chunks.is_empty() {
-            while next < n && chunks.len() < 4 {
-                let (from, to) = (next, (next + BACKLOG_TX_ROWS).min(n));
-                next = to;
-                let (outbox, pad, name) = (&outbox, pad.as_str(), name.as_str());
-                chunks.push(async move {
-                    let mut tx = pg.pool.begin().await.context("BEGIN")?;
-                    for seq in from..to {
-                        let m = OutboxMessage::new("", name, body(pad, seq)?);
-                        outbox
-                            .store(&mut tx, &m)
-                            .await
-                            .context("storing the backlog")?;
-                    }
-                    tx.commit().await.context("COMMIT")?;
-                    Ok::<_, anyhow::Error>(())
-                });
-            }
-            if let Some(r) = chunks.next().await {
-                r?;
-            }
-        }
+        let backlog = (0..n)
+            .map(|seq| Ok(OutboxMessage::new("", name.as_str(), body(&pad, seq)?)))
+            .collect::<Result<Vec<_>>>()?;
+        store_backlog(pg, &backlog).await?;
+        drop(backlog);
 
         let empty_sql = format!(
             "SELECT NOT EXISTS (SELECT 1 FROM \"{}\".\"{}\")",
@@ -363,7 +373,7 @@ async fn throughput(ctx: &Ctx, pg: &PgCtx, round: u32) -> Result<Throughput> {
         );
         let (b0, d0, c0) = (ctx.broker_cpu_us(), pg.cpu_us(), stats::cpu_us());
         let start = Instant::now();
-        let (relay_conn, relay) = start_relay(ctx, pg, &token).await?;
+        let relay = start_relay(ctx, pg, &token).await?;
         let deadline = start + Ctx::timeout_for(n);
         loop {
             // Every 10 ms: 1 % of a one-second drain; the query is an index-only probe.
@@ -376,18 +386,18 @@ async fn throughput(ctx: &Ctx, pg: &PgCtx, round: u32) -> Result<Throughput> {
                 break;
             }
             if relay.is_finished() {
-                return stop_relay(relay_conn, &token, relay)
+                return stop_relay(&token, relay)
                     .await
                     .and_then(|()| Err(anyhow!("the relay stopped before the outbox was empty")));
             }
             if Instant::now() > deadline {
-                let _ = stop_relay(relay_conn, &token, relay).await;
+                let _ = stop_relay(&token, relay).await;
                 bail!("the relay did not empty the outbox of {n} rows in time");
             }
         }
         let elapsed = start.elapsed();
         let (b1, d1, c1) = (ctx.broker_cpu_us(), pg.cpu_us(), stats::cpu_us());
-        stop_relay(relay_conn, &token, relay).await?;
+        stop_relay(&token, relay).await?;
 
         // Every row was deleted after its confirm: the queue must hold them all.
         let wait = Instant::now() + Duration::from_secs(10);
