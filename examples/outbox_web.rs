@@ -390,8 +390,10 @@ async fn run() -> anyhow::Result<()> {
             redact_database_url(&cfg.database_url)
         )
     })?;
+    // The pool-size rule of redeliver::postgres: 8 requests in their transactions at once, and
+    // 2 for the relay (its LISTEN and its rounds).
     let pool = PgPoolOptions::new()
-        .max_connections(10)
+        .max_connections(8 + 2)
         .acquire_timeout(Duration::from_secs(10))
         .connect_with(options)
         .await

@@ -36,9 +36,11 @@ pub enum Error {
         #[source]
         source: sqlx::Error,
     },
-    /// Migrations are off ([`Schema::without_migrations`](crate::Schema::without_migrations))
-    /// and a table the crate needs does not exist.
-    #[error("table {table} does not exist: create it (see the SQL in the redeliver-postgres crate's migrations/) or let the crate migrate (do not call Schema::without_migrations)")]
+    /// A table the crate needs does not exist: nothing prepared its schema yet (a producer
+    /// that stores before any [`Schema::prepare`](crate::Schema::prepare)), or migrations are
+    /// off ([`Schema::without_migrations`](crate::Schema::without_migrations)) and the team has
+    /// not created it.
+    #[error("table {table} does not exist: call Schema::prepare(&pool) at start (Inbox::prepare and a starting Relay do it too), or, for a schema the team manages (Schema::without_migrations), create it with the SQL in the redeliver-postgres crate's migrations/")]
     MissingTable {
         /// `schema.table`.
         table: String,

@@ -278,9 +278,17 @@ impl Inbox {
     /// Migrates (or verifies) the schema, once per inbox and its clones: call it at start to
     /// fail fast. Every handler also calls it before its first delivery (a failure is then a
     /// transient error).
+    ///
+    /// It also looks at the schema's outbox: rows stored over a minute ago and never tried
+    /// mean no [`Relay`](crate::Relay) publishes this schema's outbox (a relay publishes only
+    /// the outbox of the [`Schema`] it is given), which it logs as a warning.
     pub async fn prepare(&self) -> Result<(), Error> {
         self.ready
-            .get_or_try_init(|| self.schema.prepare(&self.pool))
+            .get_or_try_init(|| async {
+                self.schema.prepare(&self.pool).await?;
+                crate::outbox::warn_if_unrelayed(&self.pool, &self.schema).await;
+                Ok::<(), Error>(())
+            })
             .await?;
         Ok(())
     }

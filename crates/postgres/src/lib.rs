@@ -28,6 +28,22 @@
 //!   handler may run again after a rollback or a failed commit. Give such calls an
 //!   idempotency key (the message id).
 //!
+//! # Pool size
+//!
+//! Every connection the crate uses comes from the pool you pass, so size it with this rule:
+//!
+//! | who | connections |
+//! |---|---|
+//! | an [`Inbox`]'s handler | one per delivery in flight: the worker's `concurrency` (a copy waiting on a concurrent duplicate holds its connection too) |
+//! | a [`Relay`] | 2: its `LISTEN`, held for as long as it runs, and its rounds |
+//! | [`Inbox::spawn_cleanup`] | 1 while a cleanup runs |
+//! | your own queries outside the handler | what they need |
+//!
+//! `max_connections >= concurrency + 2 × relays + 1 + your own`: a worker of concurrency 10
+//! with a relay and the cleanup in the same process needs 13, more than sqlx's default of 10.
+//! A pool that is too small does not fail: deliveries wait for a connection, up to the pool's
+//! `acquire_timeout`, and then fail as transient errors (retried).
+//!
 //! # Schema
 //!
 //! Tables live in a [`Schema`] (default `redeliver.inbox` and `redeliver.outbox`), created by
@@ -57,7 +73,11 @@
 //! }
 //!
 //! # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
-//! let pool = sqlx::PgPool::connect("postgres://app@127.0.0.1/app").await?;
+//! // Concurrency 10, a relay and the cleanup: 10 + 2 + 1 connections (see "Pool size").
+//! let pool = sqlx::postgres::PgPoolOptions::new()
+//!     .max_connections(13)
+//!     .connect("postgres://app@127.0.0.1/app")
+//!     .await?;
 //! let inbox = Inbox::new(pool.clone(), "recorder");
 //! inbox.prepare().await?;
 //! let token = CancellationToken::new();

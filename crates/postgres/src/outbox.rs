@@ -192,7 +192,10 @@ impl Outbox {
     /// Inserts `message` and notifies the relay's channel, both on `conn` (a transaction
     /// derefs to one: pass `&mut tx` or `&mut *tx`). PostgreSQL delivers the notification only
     /// when the transaction commits. A message AMQP cannot carry (a name or property over 255
-    /// bytes) is refused here, [`Error::InvalidMessage`].
+    /// bytes) is refused here, [`Error::InvalidMessage`]. The table must exist: a producer
+    /// that stores before anything prepared the schema gets [`Error::MissingTable`], which
+    /// says to call [`Schema::prepare`] at start (in a transaction, PostgreSQL then aborts the
+    /// whole transaction).
     pub async fn store(
         &self,
         conn: &mut PgConnection,
@@ -212,7 +215,8 @@ impl Outbox {
             .bind(&message.content_type)
             .bind(headers)
             .execute(&mut *conn)
-            .await?;
+            .await
+            .map_err(|e| missing_table(&self.schema, e))?;
         sqlx::query(&self.notify)
             .bind(self.schema.notify_channel())
             .execute(&mut *conn)
@@ -318,5 +322,47 @@ pub(crate) fn parse_headers(
     match json {
         Some(json) => serde_json::from_str(json).map_err(|source| Error::Headers { id, source }),
         None => Ok(BTreeMap::new()),
+    }
+}
+
+/// Rows older than this and never tried mean no relay publishes the outbox.
+const UNRELAYED_AFTER: Duration = Duration::from_secs(60);
+
+/// Warns when rows of `schema`'s outbox were stored over [`UNRELAYED_AFTER`] ago and never
+/// tried: the relay runs on another schema, or not at all. A producer and its relay on two
+/// schemas would otherwise store rows that are never published, silently.
+pub(crate) async fn warn_if_unrelayed(pool: &PgPool, schema: &Schema) {
+    let row = sqlx::query(&format!(
+        "SELECT count(*), extract(epoch FROM now() - min(created_at))::float8
+           FROM {}
+          WHERE parked_at IS NULL AND attempts = 0
+            AND created_at < now() - make_interval(secs => $1)",
+        schema.outbox_sql()
+    ))
+    .bind(UNRELAYED_AFTER.as_secs_f64())
+    .fetch_one(pool)
+    .await;
+    let (count, age) = match row {
+        Ok(row) => (
+            row.try_get::<i64, _>(0).unwrap_or(0),
+            row.try_get::<Option<f64>, _>(1)
+                .ok()
+                .flatten()
+                .unwrap_or(0.0),
+        ),
+        // Only a hint: a failure here must not stop a start that prepared its schema.
+        Err(e) => {
+            tracing::debug!(error = %e, "cannot look for unrelayed outbox rows");
+            return;
+        }
+    };
+    if count > 0 {
+        tracing::warn!(
+            outbox = %format!("{}.{}", schema.name(), schema.outbox_table()),
+            rows = count,
+            oldest_seconds = age.round(),
+            "outbox rows have waited over a minute without a publish attempt: is a Relay running \
+             with this Schema? (a Relay publishes only the outbox of the Schema it is given)"
+        );
     }
 }

@@ -380,3 +380,75 @@ async fn a_relay_killed_after_the_confirm_publishes_again_and_the_inbox_runs_onc
         "one effect for the two copies"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn storing_before_the_schema_is_prepared_says_what_to_call() {
+    let db = TestDb::new().await;
+    let mut tx = db.pool.begin().await.unwrap();
+    let err = Outbox::new(db.schema.clone())
+        .store(&mut tx, &OutboxMessage::new("", "q", b"x".to_vec()))
+        .await
+        .expect_err("no table yet");
+    assert!(
+        matches!(err, redeliver_postgres::Error::MissingTable { .. }),
+        "{err:?}"
+    );
+    assert!(err.to_string().contains("Schema::prepare"), "{err}");
+}
+
+/// Collects what a subscriber writes, to read the log of one test.
+#[derive(Clone, Default)]
+struct Captured(std::sync::Arc<std::sync::Mutex<Vec<u8>>>);
+
+impl std::io::Write for Captured {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// An inbox whose schema's outbox holds rows nobody ever tried to publish (its relay runs on
+/// another schema, or not at all) says so when it is prepared.
+// One thread: the subscriber set for this test sees everything logged while it runs.
+#[tokio::test(flavor = "current_thread")]
+async fn an_inbox_warns_when_its_outbox_is_not_relayed() {
+    let captured = Captured::default();
+    let writer = captured.clone();
+    let subscriber = tracing_subscriber::fmt()
+        .with_max_level(tracing::Level::WARN)
+        .with_ansi(false)
+        .with_writer(move || writer.clone())
+        .finish();
+    let _guard = tracing::subscriber::set_default(subscriber);
+    let db = TestDb::new().await;
+    db.schema.migrate(&db.pool).await.unwrap();
+    // Fresh rows are no sign of anything: no warning.
+    db.store_committed(&[OutboxMessage::new("", "q", b"new".to_vec())])
+        .await;
+    Inbox::new(db.pool.clone(), "fresh")
+        .schema(db.schema.clone())
+        .prepare()
+        .await
+        .unwrap();
+    assert!(captured.0.lock().unwrap().is_empty());
+    sqlx::query(&format!(
+        "UPDATE {}.outbox SET created_at = now() - interval '5 minutes'",
+        db.name
+    ))
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    Inbox::new(db.pool.clone(), "stale")
+        .schema(db.schema.clone())
+        .prepare()
+        .await
+        .unwrap();
+    let log = String::from_utf8_lossy(&captured.0.lock().unwrap()).into_owned();
+    assert!(
+        log.contains("is a Relay running") && log.contains(&db.name),
+        "{log}"
+    );
+}
