@@ -7,7 +7,7 @@
 //!
 //! As `tests/inbox_broker_restart.rs`, on a dedicated node started with `scripts/cluster.sh`
 //! (of the `RD_CLUSTER_CHROOT` version when set) and removed afterwards: the default broker
-//! other suites use is not restarted. The node is `rdrelay-1@localhost` on AMQP port 5695, not
+//! other suites use is not restarted. The node is `rdrelay-1@localhost` on AMQP port 5701, not
 //! the `rdsolo` node of the inbox and reliability restart tests, so this test never restarts
 //! or removes a node another test is using.
 
@@ -30,7 +30,7 @@ const BATCH: u32 = 100;
 async fn a_broker_restart_mid_round_loses_no_outbox_row_and_the_relay_reconnects_itself() {
     let db = EffectsDb::new().await;
     let boot = Instant::now();
-    let nodes = Nodes::start("rdrelay", 1, 5695, false).await;
+    let nodes = Nodes::start("rdrelay", 1, 5701, false).await;
     let booted = boot.elapsed();
     let shape = Shape {
         url: nodes.amqp_url(1),
@@ -43,7 +43,7 @@ async fn a_broker_restart_mid_round_loses_no_outbox_row_and_the_relay_reconnects
     assert!(
         s.broker.ends_with(&version.to_string()),
         "the dedicated node runs {}, the broker at AMQP_URL {version}: remove the node \
-         (RD_CLUSTER_NAME=rdrelay RD_CLUSTER_NODES=1 RD_CLUSTER_BASE_PORT=5695 bash \
+         (RD_CLUSTER_NAME=rdrelay RD_CLUSTER_NODES=1 RD_CLUSTER_BASE_PORT=5701 bash \
          scripts/cluster.sh clean) and set RD_CLUSTER_CHROOT for that version",
         s.broker
     );
