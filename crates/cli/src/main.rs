@@ -14,6 +14,8 @@ mod dlq;
 mod errors;
 mod message;
 mod outbox;
+#[cfg(feature = "postgres")]
+mod outbox_db;
 mod output;
 #[cfg(feature = "postgres")]
 mod parked;

@@ -16,7 +16,7 @@ use serde_json::{json, Value};
 use crate::cli::{ParkedCmd, ParkedFilterArgs, DRY_RUN_ROWS, PEEK_BODY_KIB, PEEK_VALUE_CHARS};
 use crate::errors::UsageError;
 use crate::message::{preview, truncate_chars, PREVIEW_CHARS};
-use crate::outbox::db::{self, age_seconds, human_age, Db, Target};
+use crate::outbox_db::{self as db, age_seconds, human_age, Db, Target};
 use crate::output::{self, BodyView, Table};
 use crate::text::{self, escape};
 

@@ -592,7 +592,9 @@ impl Relay {
                 Ok(()) => return Ok(true),
                 // A connection lost mid-migration rolls the migration back: trying again is
                 // safe, as for any other statement.
-                Err(Error::Database(e) | Error::Migration { source: e, .. }) if transient_db(&e) => {
+                Err(Error::Database(e) | Error::Migration { source: e, .. })
+                    if transient_db(&e) =>
+                {
                     self.flags.database_down.store(true, Ordering::Release);
                     tracing::warn!(error = %e, "the outbox relay cannot reach the database; trying again");
                 }
