@@ -213,17 +213,27 @@ fn topology_hint(t: &TopologyError, declare: &str, url: Option<&BrokerUrl>) -> O
     }
 }
 
+/// I/O errors that mean nothing answers at that address (as opposed to a server that answered
+/// and hung up): the hint is to start the server or fix the address.
+pub(crate) fn nothing_there(kind: std::io::ErrorKind) -> bool {
+    use std::io::ErrorKind as Io;
+    matches!(
+        kind,
+        Io::ConnectionRefused
+            | Io::TimedOut
+            | Io::NotFound
+            | Io::HostUnreachable
+            | Io::NetworkUnreachable
+            | Io::AddrNotAvailable
+    )
+}
+
 fn lapin_hint(err: &lapin::Error, declare: &str, url: Option<&BrokerUrl>) -> Option<String> {
     match err.kind() {
         ErrorKind::IOError(io) => {
             use std::io::ErrorKind as Io;
             match io.kind() {
-                Io::ConnectionRefused
-                | Io::TimedOut
-                | Io::NotFound
-                | Io::HostUnreachable
-                | Io::NetworkUnreachable
-                | Io::AddrNotAvailable => Some(unreachable_hint()),
+                kind if nothing_there(kind) => Some(unreachable_hint()),
                 Io::ConnectionReset | Io::ConnectionAborted | Io::UnexpectedEof => Some(
                     "the broker closed the connection: check its log, that this is an AMQP \
                      0-9-1 port (5672, not the management port 15672), and the credentials"

@@ -284,18 +284,10 @@ pub(crate) fn hints(err: &anyhow::Error) -> Vec<String> {
 
 fn sqlx_hint(e: &sqlx::Error) -> Option<String> {
     match e {
-        sqlx::Error::Io(io) => {
-            use std::io::ErrorKind as Io;
-            match io.kind() {
-                Io::ConnectionRefused
-                | Io::TimedOut
-                | Io::NotFound
-                | Io::HostUnreachable
-                | Io::NetworkUnreachable
-                | Io::AddrNotAvailable => Some(START_POSTGRES.to_owned()),
-                _ => None,
-            }
-        }
+        sqlx::Error::Io(io) => match io.kind() {
+            kind if crate::errors::nothing_there(kind) => Some(START_POSTGRES.to_owned()),
+            _ => None,
+        },
         sqlx::Error::Database(db) => match db.code().as_deref() {
             Some("28P01" | "28000") => Some(
                 "PostgreSQL refused the login: check the user and password in \
