@@ -13,7 +13,8 @@ use std::collections::HashSet;
 use std::time::{Duration, Instant};
 
 use inbox_support::{assert_end, inbox_worker, EffectsDb, End};
-use redeliver_testkit::reliability::{self, report, Nodes, Scenario, Shape};
+use redeliver_testkit::nodes::Nodes;
+use redeliver_testkit::reliability::{self, report, Scenario, Shape};
 
 const N: usize = 1000;
 const RESTARTS: usize = 2;

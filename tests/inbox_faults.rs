@@ -239,7 +239,12 @@ async fn declare(s: &Scenario, queue: &str) {
 
 /// Message ids of everything in `queue`, removed.
 async fn drain_ids(s: &Scenario, queue: &str) -> Vec<String> {
-    let mut ids: Vec<String> = s.drain(queue).await.into_iter().map(|g| g.id).collect();
+    let mut ids: Vec<String> = s
+        .drain(queue)
+        .await
+        .into_iter()
+        .map(|g| g.message_id().to_owned())
+        .collect();
     ids.sort();
     ids
 }

@@ -18,7 +18,8 @@ use std::time::{Duration, Instant};
 use inbox_support::{assert_published, drain_message_ids, pool, wait_relayed, EffectsDb};
 use redeliver::postgres::{Relay, RelayState};
 use redeliver::{Backoff, CancellationToken, Jitter, RetryPolicy};
-use redeliver_testkit::reliability::{report, Nodes, Scenario, Shape};
+use redeliver_testkit::nodes::Nodes;
+use redeliver_testkit::reliability::{report, Scenario, Shape};
 
 /// Rows committed before the relay starts.
 const N: usize = 12000;

@@ -18,9 +18,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use inbox_support::{assert_end, inbox_worker, EffectsDb, End};
-use redeliver_testkit::reliability::{
-    close_connections, connections_named, mgmt_url, report, Scenario, Shape, WorkerCmd, WorkerProc,
-};
+use redeliver_testkit::mgmt;
+use redeliver_testkit::reliability::{report, Scenario, Shape, WorkerCmd, WorkerProc};
 use tokio::sync::Mutex;
 
 /// Worker processes restarted as soon as they die (an injected abort, a SIGKILL).
@@ -122,10 +121,18 @@ fn publish_over(s: &Arc<Scenario>, ids: &[String], flow: Duration) -> tokio::tas
 /// Closes every listed connection of the scenario's workers (consuming and publishing); returns
 /// how many.
 async fn close_worker_connections(s: &Scenario) -> usize {
-    let mgmt = mgmt_url();
-    let mut names = connections_named(&mgmt, &s.worker_connection_name()).await;
-    names.extend(connections_named(&mgmt, &s.worker_publishing_connection_name()).await);
-    close_connections(&mgmt, names).await
+    let names = [
+        s.worker_connection_name(),
+        s.worker_publishing_connection_name(),
+    ];
+    mgmt::blocking(move || {
+        let listed: Vec<String> = names
+            .iter()
+            .flat_map(|n| mgmt::connections_named(n))
+            .collect();
+        mgmt::close_connections(&listed)
+    })
+    .await
 }
 
 const N: usize = 3000;
