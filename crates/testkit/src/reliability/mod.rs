@@ -22,16 +22,21 @@
 //!
 //! The harness is split by concern: [`Scenario`] and its [`Shape`] (the topology, publishing,
 //! observing the broker and the workers' files), the [`Accounting`] of every id, and the
-//! [`WorkerCmd`] / [`WorkerProc`] worker processes. The extra broker nodes of the disruptive
+//! [`WorkerCmd`] / [`WorkerProc`] worker processes, the inbox workers and the end of an inbox
+//! scenario ([`assert_inbox_end`]), and the outbox's end checks ([`assert_published`]). The extra broker nodes of the disruptive
 //! tests are [`crate::nodes`], the management API [`crate::mgmt`].
 
 use std::path::Path;
 
 mod accounting;
+mod inbox;
+mod outbox;
 mod scenario;
 mod worker;
 
 pub use accounting::{Accounting, Ending, IdAccount, Observed};
+pub use inbox::{assert_inbox_end, Delivery, End};
+pub use outbox::{assert_published, wait_relayed, Copies};
 pub use scenario::{Counts, Scenario, Shape};
 pub use worker::{unix_ms, worker_binary, Outage, WorkerCmd, WorkerProc};
 
