@@ -1,8 +1,6 @@
 //! The CLI over amqps:// against the testkit's TLS broker (a RabbitMQ node it starts with
 //! throwaway certificates, unless `AMQPS_URL` names one).
 
-// Only part of the shared helpers: this broker is not the default one.
-#[allow(dead_code)]
 mod common;
 #[path = "common/messages.rs"]
 mod messages;
