@@ -7,20 +7,22 @@
 //! 5691, of the `RD_CLUSTER_CHROOT` version when set) started with `scripts/cluster.sh` and
 //! removed afterwards: the default broker other suites use is not restarted.
 
-mod inbox_support;
+#[path = "inbox_support/effects_db.rs"]
+mod effects_db;
 
 use std::collections::HashSet;
 use std::time::{Duration, Instant};
 
-use inbox_support::{assert_end, inbox_worker, EffectsDb, End};
-use redeliver_testkit::reliability::{self, report, Nodes, Scenario, Shape};
+use effects_db::effects_db;
+use redeliver_testkit::nodes::Nodes;
+use redeliver_testkit::reliability::{self, assert_inbox_end, report, End, Scenario, Shape};
 
 const N: usize = 1000;
 const RESTARTS: usize = 2;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn broker_restart_keeps_effects_exactly_once() {
-    let db = EffectsDb::new().await;
+    let db = effects_db().await;
     let boot = Instant::now();
     let nodes = Nodes::start("rdsolo", 1, 5691, false).await;
     let booted = boot.elapsed();
@@ -36,7 +38,8 @@ async fn broker_restart_keeps_effects_exactly_once() {
         let set: HashSet<String> = ids.iter().cloned().collect();
         // Slow enough (5 ms a message, retries waiting up to 1.5 s) that each restart finds
         // deliveries in flight and copies in the delay levels.
-        let mut w = inbox_worker(&s, db)
+        let mut w = s
+            .inbox_worker(&db.name)
             .arg("fail-rate", 0.3)
             .arg("seed", 43)
             .arg("max-retries", 8)
@@ -75,7 +78,7 @@ async fn broker_restart_keeps_effects_exactly_once() {
             line,
             duplicates: dups,
             ..
-        } = assert_end(&s, db, &ids, "inbox, broker app restarted").await;
+        } = assert_inbox_end(&s, db, &ids, "inbox, broker app restarted").await;
         report(format!(
             "RESULT fault=\"inbox: broker app restarted {RESTARTS} times\" broker=\"{}\" N={N} \
              lost={} dlq={} {line}; worker outages {outages:?}; {dups} deliveries found \

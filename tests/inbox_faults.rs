@@ -15,17 +15,18 @@
 //! a schema of its own, dropped at the end. Without PostgreSQL or RabbitMQ the tests fail
 //! saying how to start them.
 
-mod inbox_support;
+#[path = "inbox_support/effects_db.rs"]
+mod effects_db;
 
 use std::collections::{BTreeMap, HashSet};
 use std::time::{Duration, Instant};
 
-use inbox_support::{assert_end, deliveries, handler_calls, inbox_worker, EffectsDb};
+use effects_db::{effects_db, schema};
 use redeliver::lapin::options::QueueDeclareOptions;
 use redeliver::lapin::types::FieldTable;
 use redeliver::postgres::{Outbox, OutboxMessage, Relay};
 use redeliver::CancellationToken;
-use redeliver_testkit::reliability::{report, Scenario, Shape, WorkerProc};
+use redeliver_testkit::reliability::{assert_inbox_end, report, Scenario, Shape, WorkerProc};
 
 /// Waits until the process exited on its own (the injected abort).
 async fn wait_exit(w: &mut WorkerProc, timeout: Duration) {
@@ -43,13 +44,14 @@ async fn wait_exit(w: &mut WorkerProc, timeout: Duration) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn killed_after_the_commit_before_the_ack_is_acked_without_running_again() {
-    let db = EffectsDb::new().await;
+    let db = effects_db().await;
     let s = Scenario::new("inbox-after", Shape::default()).await;
     let db = &db;
     s.run(|s| async move {
         let ids = s.publish(20).await;
         let target = ids[7].clone();
-        let cmd = inbox_worker(&s, db)
+        let cmd = s
+            .inbox_worker(&db.name)
             .arg("abort-after-commit", &target)
             .arg("concurrency", 4)
             .arg("prefetch", 10);
@@ -62,22 +64,23 @@ async fn killed_after_the_commit_before_the_ack_is_acked_without_running_again()
             "effect of {target}"
         );
         assert_eq!(db.inbox_rows().await.get(&target), Some(&1));
-        assert_eq!(handler_calls(&s, &target), 1);
+        assert_eq!(s.handler_calls(&target), 1);
 
         // The same command line: the fault fires on a first delivery only.
         let mut b = cmd.spawn("b");
         let set: HashSet<String> = ids.iter().cloned().collect();
         s.wait_settled(&set, Duration::from_secs(60)).await;
         b.terminate(Duration::from_secs(10)).await;
-        let line = assert_end(&s, db, &ids, "killed after the commit")
+        let line = assert_inbox_end(&s, db, &ids, "killed after the commit")
             .await
             .line;
         assert_eq!(
-            handler_calls(&s, &target),
+            s.handler_calls(&target),
             1,
             "the handler ran again for {target}, whose effect was committed"
         );
-        let again: Vec<_> = deliveries(&s)
+        let again: Vec<_> = s
+            .deliveries()
             .into_iter()
             .filter(|d| d.id == target)
             .collect();
@@ -97,13 +100,14 @@ async fn killed_after_the_commit_before_the_ack_is_acked_without_running_again()
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn killed_before_the_commit_runs_the_handler_again_with_one_effect() {
-    let db = EffectsDb::new().await;
+    let db = effects_db().await;
     let s = Scenario::new("inbox-before", Shape::default()).await;
     let db = &db;
     s.run(|s| async move {
         let ids = s.publish(20).await;
         let target = ids[7].clone();
-        let cmd = inbox_worker(&s, db)
+        let cmd = s
+            .inbox_worker(&db.name)
             .arg("abort-before-commit", &target)
             .arg("concurrency", 4)
             .arg("prefetch", 10);
@@ -112,21 +116,22 @@ async fn killed_before_the_commit_runs_the_handler_again_with_one_effect() {
         // The INSERT was made, then the process died inside the transaction: rolled back.
         assert_eq!(db.effects().await.get(&target), None, "effect of {target}");
         assert_eq!(db.inbox_rows().await.get(&target), None);
-        assert_eq!(handler_calls(&s, &target), 1);
+        assert_eq!(s.handler_calls(&target), 1);
 
         let mut b = cmd.spawn("b");
         let set: HashSet<String> = ids.iter().cloned().collect();
         s.wait_settled(&set, Duration::from_secs(60)).await;
         b.terminate(Duration::from_secs(10)).await;
-        let line = assert_end(&s, db, &ids, "killed before the commit")
+        let line = assert_inbox_end(&s, db, &ids, "killed before the commit")
             .await
             .line;
         assert_eq!(
-            handler_calls(&s, &target),
+            s.handler_calls(&target),
             2,
             "the handler should run again for {target}, rolled back the first time"
         );
-        let again: Vec<_> = deliveries(&s)
+        let again: Vec<_> = s
+            .deliveries()
             .into_iter()
             .filter(|d| d.id == target)
             .collect();
@@ -146,14 +151,15 @@ async fn killed_before_the_commit_runs_the_handler_again_with_one_effect() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_same_message_to_two_workers_at_once_has_one_effect() {
     const IDS: usize = 20;
-    let db = EffectsDb::new().await;
+    let db = effects_db().await;
     let s = Scenario::new("inbox-twice", Shape::default()).await;
     let db = &db;
     s.run(|s| async move {
         // One delivery at a time per process, 300 ms inside the transaction: the broker hands
         // the two copies of an id to the two processes, and the second inbox INSERT waits on
         // the first's uncommitted row.
-        let cmd = inbox_worker(&s, db)
+        let cmd = s
+            .inbox_worker(&db.name)
             .arg("work-ms", 300)
             .arg("concurrency", 1)
             .arg("prefetch", 1);
@@ -168,11 +174,11 @@ async fn the_same_message_to_two_workers_at_once_has_one_effect() {
         for (i, id) in ids.iter().enumerate() {
             s.publish_ids(&[id.clone(), id.clone()], |_| None).await;
             let start = Instant::now();
-            while deliveries(&s).len() < 2 * (i + 1) {
+            while s.deliveries().len() < 2 * (i + 1) {
                 assert!(
                     start.elapsed() < Duration::from_secs(30),
                     "{} deliveries recorded, {} expected",
-                    deliveries(&s).len(),
+                    s.deliveries().len(),
                     2 * (i + 1)
                 );
                 tokio::time::sleep(Duration::from_millis(20)).await;
@@ -182,11 +188,12 @@ async fn the_same_message_to_two_workers_at_once_has_one_effect() {
         s.wait_settled(&set, Duration::from_secs(60)).await;
         a.terminate(Duration::from_secs(10)).await;
         b.terminate(Duration::from_secs(10)).await;
-        let line = assert_end(&s, db, &ids, "the same message to two workers")
+        let line = assert_inbox_end(&s, db, &ids, "the same message to two workers")
             .await
             .line;
-        let mut per_id: BTreeMap<String, Vec<inbox_support::Delivery>> = BTreeMap::new();
-        for d in deliveries(&s) {
+        let mut per_id: BTreeMap<String, Vec<redeliver_testkit::reliability::Delivery>> =
+            BTreeMap::new();
+        for d in s.deliveries() {
             per_id.entry(d.id.clone()).or_default().push(d);
         }
         let mut concurrent = 0;
@@ -198,7 +205,7 @@ async fn the_same_message_to_two_workers_at_once_has_one_effect() {
                 ds.len() == 2 && handled == 1 && dup == 1,
                 "{id}: two deliveries expected, one handled and one duplicate: {ds:?}"
             );
-            assert_eq!(handler_calls(&s, id), 1, "{id}: handler calls");
+            assert_eq!(s.handler_calls(id), 1, "{id}: handler calls");
             if ds[0].label != ds[1].label
                 && ds[0].start_ms < ds[1].end_ms
                 && ds[1].start_ms < ds[0].end_ms
@@ -239,14 +246,19 @@ async fn declare(s: &Scenario, queue: &str) {
 
 /// Message ids of everything in `queue`, removed.
 async fn drain_ids(s: &Scenario, queue: &str) -> Vec<String> {
-    let mut ids: Vec<String> = s.drain(queue).await.into_iter().map(|g| g.id).collect();
+    let mut ids: Vec<String> = s
+        .drain(queue)
+        .await
+        .into_iter()
+        .map(|g| g.message_id().to_owned())
+        .collect();
     ids.sort();
     ids
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_outbox_row_committed_by_a_killed_process_is_published_once_by_a_later_relay() {
-    let db = EffectsDb::new().await;
+    let db = effects_db().await;
     let s = Scenario::new("outbox-kill", Shape::default()).await;
     let db = &db;
     s.run(|s| async move {
@@ -260,7 +272,8 @@ async fn an_outbox_row_committed_by_a_killed_process_is_published_once_by_a_late
             .await;
         let target = ids[4].clone();
         // No relay runs: every committed outbox row waits in the table.
-        let cmd = inbox_worker(&s, db)
+        let cmd = s
+            .inbox_worker(&db.name)
             .arg("outbox-queue", &out)
             .arg("abort-after-commit", &target)
             .arg("concurrency", 2)
@@ -290,7 +303,7 @@ async fn an_outbox_row_committed_by_a_killed_process_is_published_once_by_a_late
         let token = CancellationToken::new();
         let relay = tokio::spawn(
             Relay::new(db.pool.clone(), s.shape.url.clone())
-                .schema(db.schema.clone())
+                .schema(schema(db))
                 .poll_interval(Duration::from_millis(200))
                 .run(token.clone()),
         );
@@ -339,13 +352,13 @@ async fn an_outbox_row_committed_by_a_killed_process_is_published_once_by_a_late
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_rolled_back_transaction_publishes_nothing() {
-    let db = EffectsDb::new().await;
+    let db = effects_db().await;
     let s = Scenario::new("outbox-rollback", Shape::default()).await;
     let db = &db;
     s.run(|s| async move {
         let out = format!("{}out", s.prefix);
         declare(&s, &out).await;
-        let outbox = Outbox::new(db.schema.clone());
+        let outbox = Outbox::new(schema(db));
         let mut tx = db.pool.begin().await.expect("begin");
         outbox
             .store(
@@ -360,7 +373,7 @@ async fn a_rolled_back_transaction_publishes_nothing() {
         let token = CancellationToken::new();
         let run = tokio::spawn(
             Relay::new(db.pool.clone(), s.shape.url.clone())
-                .schema(db.schema.clone())
+                .schema(schema(db))
                 .poll_interval(Duration::from_millis(100))
                 .run(token.clone()),
         );

@@ -8,13 +8,15 @@
 //! no other test of this binary may run beside it. PostgreSQL is left running whatever
 //! happens: a guard starts it again when the test fails between the stop and the start.
 
-mod inbox_support;
+#[path = "inbox_support/effects_db.rs"]
+mod effects_db;
 
 use std::collections::HashSet;
 use std::time::{Duration, Instant};
 
-use inbox_support::{assert_end, inbox_worker, pg_ctlcluster, EffectsDb, End, START_POSTGRES};
-use redeliver_testkit::reliability::{report, Scenario, Shape};
+use effects_db::effects_db;
+use redeliver_testkit::postgres::{pg_ctlcluster, START_POSTGRES};
+use redeliver_testkit::reliability::{assert_inbox_end, report, End, Scenario, Shape};
 
 /// Starts PostgreSQL again when dropped, unless it runs.
 struct KeepRunning;
@@ -36,7 +38,7 @@ const RESTARTS: usize = 2;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_restarted_mid_run_keeps_effects_exactly_once() {
-    let db = EffectsDb::new().await;
+    let db = effects_db().await;
     // Fails here, not half-way, when the cluster cannot be managed from this process.
     pg_ctlcluster("status").unwrap_or_else(|e| panic!("{e}"));
     let _running = KeepRunning;
@@ -48,7 +50,8 @@ async fn postgres_restarted_mid_run_keeps_effects_exactly_once() {
         let set: HashSet<String> = ids.iter().cloned().collect();
         // 12 retries, delays from 100 ms capped at 2 s: a message keeps trying for about 9 s on
         // average (full jitter), much longer than a restart takes.
-        let cmd = inbox_worker(&s, db)
+        let cmd = s
+            .inbox_worker(&db.name)
             .arg("seed", 41)
             .arg("max-retries", 12)
             .arg("retry-base-ms", 100)
@@ -100,7 +103,7 @@ async fn postgres_restarted_mid_run_keeps_effects_exactly_once() {
             line,
             duplicates: dups,
             errors,
-        } = assert_end(&s, db, &ids, "PostgreSQL restarted").await;
+        } = assert_inbox_end(&s, db, &ids, "PostgreSQL restarted").await;
         assert!(
             errors > 0,
             "no delivery failed: the restarts did not hit a transaction"

@@ -11,14 +11,21 @@
 //! the `rdsolo` node of the inbox and reliability restart tests, so this test never restarts
 //! or removes a node another test is using.
 
-mod inbox_support;
+#[path = "inbox_support/commit_outbox.rs"]
+mod commit_outbox;
+#[path = "inbox_support/effects_db.rs"]
+mod effects_db;
 
 use std::time::{Duration, Instant};
 
-use inbox_support::{assert_published, drain_message_ids, pool, wait_relayed, EffectsDb};
+use commit_outbox::commit_outbox;
+use effects_db::{effects_db, schema};
 use redeliver::postgres::{Relay, RelayState};
 use redeliver::{Backoff, CancellationToken, Jitter, RetryPolicy};
-use redeliver_testkit::reliability::{report, Nodes, Scenario, Shape};
+use redeliver_testkit::drain_message_ids;
+use redeliver_testkit::nodes::Nodes;
+use redeliver_testkit::postgres::pool;
+use redeliver_testkit::reliability::{assert_published, report, wait_relayed, Scenario, Shape};
 
 /// Rows committed before the relay starts.
 const N: usize = 12000;
@@ -28,7 +35,7 @@ const BATCH: u32 = 100;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_broker_restart_mid_round_loses_no_outbox_row_and_the_relay_reconnects_itself() {
-    let db = EffectsDb::new().await;
+    let db = effects_db().await;
     let boot = Instant::now();
     let nodes = Nodes::start("rdrelay", 1, 5701, false).await;
     let booted = boot.elapsed();
@@ -54,12 +61,12 @@ async fn a_broker_restart_mid_round_loses_no_outbox_row_and_the_relay_reconnects
         let ids: Vec<String> = (0..N + DURING)
             .map(|i| format!("{}m{i:06}", s.prefix))
             .collect();
-        db.commit_outbox(&queue, &ids[..N], 200).await;
+        commit_outbox(db, &queue, &ids[..N], 200).await;
         let stored_in = started.elapsed();
 
         let token = CancellationToken::new();
         let relay = Relay::new(pool(4).await, s.shape.url.clone())
-            .schema(db.schema.clone())
+            .schema(schema(db))
             .connection_name(format!("{}relay", s.prefix))
             .batch_size(BATCH)
             .poll_interval(Duration::from_millis(200))
@@ -111,7 +118,7 @@ async fn a_broker_restart_mid_round_loses_no_outbox_row_and_the_relay_reconnects
             "ready while the broker is down ({down})"
         );
         // Rows committed while the broker is down wait for it.
-        db.commit_outbox(&queue, &ids[N..], 200).await;
+        commit_outbox(db, &queue, &ids[N..], 200).await;
         tokio::time::sleep(Duration::from_secs(2)).await;
         assert!(
             !status.is_ready(),

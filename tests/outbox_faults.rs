@@ -14,17 +14,23 @@
 //! `postgres://postgres@127.0.0.1:5432/test`), RabbitMQ at AMQP_URL (default 127.0.0.1:5672);
 //! without them the tests fail saying how to start them.
 
-mod inbox_support;
+#[path = "inbox_support/commit_outbox.rs"]
+mod commit_outbox;
+#[path = "inbox_support/effects_db.rs"]
+mod effects_db;
 
 use std::collections::HashSet;
 use std::time::{Duration, Instant};
 
-use inbox_support::{assert_published, drain_message_ids, pool_named, wait_relayed, EffectsDb};
+use commit_outbox::commit_outbox;
+use effects_db::{effects_db, schema};
 use redeliver::lapin::options::QueueDeclareOptions;
 use redeliver::lapin::types::FieldTable;
 use redeliver::postgres::Relay;
 use redeliver::CancellationToken;
-use redeliver_testkit::reliability::{report, Scenario, Shape};
+use redeliver_testkit::drain_message_ids;
+use redeliver_testkit::postgres::pool_named;
+use redeliver_testkit::reliability::{assert_published, report, wait_relayed, Scenario, Shape};
 use sqlx::PgPool;
 
 /// Rows committed before the first relay starts.
@@ -68,14 +74,14 @@ enum Kill {
 }
 
 async fn killed_relay_then_a_new_one(name: &str, kill: Kill) {
-    let db = EffectsDb::new().await;
+    let db = effects_db().await;
     let s = Scenario::new(name, Shape::default()).await;
     let db = &db;
     s.run(|s| async move {
         let started = Instant::now();
         let queue = s.queue();
         let ids: Vec<String> = (0..N).map(|i| format!("{}m{i:06}", s.prefix)).collect();
-        db.commit_outbox(&queue, &ids, 200).await;
+        commit_outbox(db, &queue, &ids, 200).await;
         let stored_in = started.elapsed();
         if kill == Kill::AfterTheConfirms {
             // The first relay's DELETE, which follows the broker's confirms, waits here until
@@ -98,7 +104,7 @@ async fn killed_relay_then_a_new_one(name: &str, kill: Kill) {
         let token = CancellationToken::new();
         let relay_a = tokio::spawn(
             Relay::new(pool_a.clone(), s.shape.url.clone())
-                .schema(db.schema.clone())
+                .schema(schema(db))
                 .connection_name(format!("{}relay-a", s.prefix))
                 .batch_size(BATCH)
                 .poll_interval(Duration::from_millis(200))
@@ -203,7 +209,7 @@ async fn killed_relay_then_a_new_one(name: &str, kill: Kill) {
         let pool_b = pool_named(&format!("{}-relay-b", db.name), 4, Duration::from_secs(30)).await;
         let relay_b = tokio::spawn(
             Relay::new(pool_b.clone(), s.shape.url.clone())
-                .schema(db.schema.clone())
+                .schema(schema(db))
                 .connection_name(format!("{}relay-b", s.prefix))
                 .batch_size(BATCH)
                 .poll_interval(Duration::from_millis(200))

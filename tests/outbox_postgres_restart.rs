@@ -10,17 +10,20 @@
 //! no other test of this binary may run beside it. PostgreSQL is left running whatever
 //! happens: a guard starts it again when the test fails between the stop and the start.
 
-mod inbox_support;
+#[path = "inbox_support/commit_outbox.rs"]
+mod commit_outbox;
+#[path = "inbox_support/effects_db.rs"]
+mod effects_db;
 
 use std::time::{Duration, Instant};
 
-use inbox_support::{
-    assert_published, drain_message_ids, pg_ctlcluster, pool_named, wait_relayed, EffectsDb,
-    START_POSTGRES,
-};
+use commit_outbox::commit_outbox;
+use effects_db::{effects_db, schema};
 use redeliver::postgres::Relay;
 use redeliver::{Backoff, CancellationToken, Jitter};
-use redeliver_testkit::reliability::{report, Scenario, Shape};
+use redeliver_testkit::drain_message_ids;
+use redeliver_testkit::postgres::{pg_ctlcluster, pool_named, START_POSTGRES};
+use redeliver_testkit::reliability::{assert_published, report, wait_relayed, Scenario, Shape};
 
 /// Starts PostgreSQL again when dropped, unless it runs.
 struct KeepRunning;
@@ -52,12 +55,12 @@ async fn ctl(action: &'static str) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_postgres_restart_mid_round_loses_no_outbox_row_and_the_relay_keeps_running() {
-    let db = EffectsDb::new().await;
+    let db = effects_db().await;
     // Fails here, not half-way, when the cluster cannot be managed from this process.
     pg_ctlcluster("status").unwrap_or_else(|e| panic!("{e}"));
     let _running = KeepRunning;
     // The outbox of a second relay, empty: it is cancelled while PostgreSQL is down.
-    let idle = EffectsDb::new().await;
+    let idle = effects_db().await;
     let s = Scenario::new("outbox-pg", Shape::default()).await;
     let (db, idle) = (&db, &idle);
     s.run(|s| async move {
@@ -66,7 +69,7 @@ async fn a_postgres_restart_mid_round_loses_no_outbox_row_and_the_relay_keeps_ru
         let ids: Vec<String> = (0..N + AFTER)
             .map(|i| format!("{}m{i:06}", s.prefix))
             .collect();
-        db.commit_outbox(&queue, &ids[..N], 200).await;
+        commit_outbox(db, &queue, &ids[..N], 200).await;
         let stored_in = started.elapsed();
 
         // A short acquire timeout: a round fails (and the relay says it is not ready) within
@@ -74,7 +77,7 @@ async fn a_postgres_restart_mid_round_loses_no_outbox_row_and_the_relay_keeps_ru
         let relay_pool = pool_named(&format!("{}-relay", db.name), 4, Duration::from_secs(2)).await;
         let token = CancellationToken::new();
         let relay = Relay::new(relay_pool, s.shape.url.clone())
-            .schema(db.schema.clone())
+            .schema(schema(db))
             .connection_name(format!("{}relay", s.prefix))
             .batch_size(BATCH)
             .poll_interval(Duration::from_millis(200))
@@ -97,7 +100,7 @@ async fn a_postgres_restart_mid_round_loses_no_outbox_row_and_the_relay_keeps_ru
                 pool_named(&format!("{}-relay", idle.name), 4, Duration::from_secs(30)).await,
                 s.shape.url.clone(),
             )
-            .schema(idle.schema.clone())
+            .schema(schema(idle))
             .connection_name(format!("{}idle-relay", s.prefix))
             .poll_interval(Duration::from_millis(200))
             .run(idle_token.clone()),
@@ -185,7 +188,7 @@ async fn a_postgres_restart_mid_round_loses_no_outbox_row_and_the_relay_keeps_ru
              meanwhile stopped in {idle_stopped:?}"
         ));
         // Committed after the restart: the relay's LISTEN (or its poll) finds them.
-        db.commit_outbox(&queue, &ids[N..], 200).await;
+        commit_outbox(db, &queue, &ids[N..], 200).await;
 
         let took = wait_relayed(db, &s, &queue, N + AFTER, Duration::from_secs(60)).await;
         tokio::time::sleep(Duration::from_millis(500)).await;

@@ -23,7 +23,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use redeliver::QueueType;
-use reliability::{report, Nodes, Scenario, Shape};
+use redeliver_testkit::nodes::Nodes;
+use reliability::{report, Scenario, Shape};
 
 const N: usize = 3000;
 

@@ -18,7 +18,8 @@ use redeliver_testkit::reliability;
 use std::collections::HashSet;
 use std::time::{Duration, Instant};
 
-use reliability::{close_connections, connections_named, mgmt_url, report, Scenario, Shape};
+use redeliver_testkit::mgmt;
+use reliability::{report, Scenario, Shape};
 
 const N: usize = 3000;
 /// Publishing is spread over this long so that connections are closed while messages flow.
@@ -37,6 +38,12 @@ const BURST: usize = 60;
 const COPY_CUT_OFF: &str = "retry copy not confirmed by the broker";
 
 /// Lines of the worker's log that contain `needle`.
+/// The management names of the connections named `name`.
+async fn connections_named(name: &str) -> Vec<String> {
+    let name = name.to_owned();
+    mgmt::blocking(move || mgmt::connections_named(&name)).await
+}
+
 fn log_lines(w: &reliability::WorkerProc, needle: &str) -> usize {
     std::fs::read_to_string(w.log())
         .unwrap_or_default()
@@ -85,7 +92,6 @@ async fn forced_connection_closes_lose_nothing() {
 
         let consuming = s.worker_connection_name();
         let publishing = s.worker_publishing_connection_name();
-        let mgmt = mgmt_url();
         let mut closed_names = HashSet::new();
         let (mut consuming_closed, mut publishing_closed) = (0, 0);
         let mut recoveries = Vec::new();
@@ -110,9 +116,9 @@ async fn forced_connection_closes_lose_nothing() {
                     .filter(|c| !closed_names.contains(c))
                     .collect()
             };
-            let fresh_publishing = fresh(connections_named(&mgmt, &publishing).await);
+            let fresh_publishing = fresh(connections_named(&publishing).await);
             let fresh_consuming = if with_consumers {
-                fresh(connections_named(&mgmt, &consuming).await)
+                fresh(connections_named(&consuming).await)
             } else {
                 Vec::new()
             };
@@ -133,7 +139,8 @@ async fn forced_connection_closes_lose_nothing() {
             }
             let mut names = fresh_publishing.clone();
             names.extend(fresh_consuming.iter().cloned());
-            let closed = close_connections(&mgmt, names.clone()).await;
+            let to_close = names.clone();
+            let closed = mgmt::blocking(move || mgmt::close_connections(&to_close)).await;
             closed_names.extend(names);
             publishing_closed += fresh_publishing.len();
             consuming_closed += fresh_consuming.len();

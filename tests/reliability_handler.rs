@@ -61,7 +61,7 @@ async fn handler_panics_are_retried_and_the_worker_survives() {
                 "{id} should be tried exactly {} times, was tried at attempts {attempts:?}",
                 MAX_RETRIES + 1
             );
-            let dead = acc.dlq.iter().find(|g| &g.id == id);
+            let dead = acc.dlq.iter().find(|g| g.message_id() == id.as_str());
             let dead = dead.unwrap_or_else(|| panic!("{id} is not in the DLQ"));
             assert_eq!(dead.death_reason().as_deref(), Some("rejected"));
             // The copy that was rejected carries the previous attempt's error.
@@ -122,7 +122,7 @@ async fn handlers_hanging_past_the_timeout_are_retried() {
                 calls[id]
             );
             assert!(
-                acc.dlq.iter().any(|g| &g.id == id),
+                acc.dlq.iter().any(|g| g.message_id() == id.as_str()),
                 "{id} is not in the DLQ"
             );
         }
@@ -178,7 +178,7 @@ async fn a_message_that_kills_the_worker_ends_in_the_dlq() {
         // Each crash is a kill with one delivery (prefetch 1) in flight: the poison itself,
         // never handled, so a crash may cost at most one settlement of an earlier message.
         acc.assert_duplicates_at_most("message that crashes the worker", crashes as usize, true);
-        let dead = acc.dlq.iter().find(|g| g.id == poison[0]);
+        let dead = acc.dlq.iter().find(|g| g.message_id() == poison[0]);
         let dead = dead.unwrap_or_else(|| panic!("the poison is not in the DLQ"));
         assert_eq!(dead.death_reason().as_deref(), Some("delivery_limit"));
         let deliveries = s.calls().iter().filter(|c| c.2 == "abort").count();

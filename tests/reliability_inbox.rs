@@ -10,16 +10,18 @@
 //! `DELETE /api/connections/{name}`): retry copies cut off before their confirm send a message
 //! twice, and the inbox keeps one effect.
 
-mod inbox_support;
+#[path = "inbox_support/effects_db.rs"]
+mod effects_db;
 
 use std::collections::HashSet;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use inbox_support::{assert_end, inbox_worker, EffectsDb, End};
+use effects_db::effects_db;
+use redeliver_testkit::mgmt;
 use redeliver_testkit::reliability::{
-    close_connections, connections_named, mgmt_url, report, Scenario, Shape, WorkerCmd, WorkerProc,
+    assert_inbox_end, report, End, Scenario, Shape, WorkerCmd, WorkerProc,
 };
 use tokio::sync::Mutex;
 
@@ -122,10 +124,18 @@ fn publish_over(s: &Arc<Scenario>, ids: &[String], flow: Duration) -> tokio::tas
 /// Closes every listed connection of the scenario's workers (consuming and publishing); returns
 /// how many.
 async fn close_worker_connections(s: &Scenario) -> usize {
-    let mgmt = mgmt_url();
-    let mut names = connections_named(&mgmt, &s.worker_connection_name()).await;
-    names.extend(connections_named(&mgmt, &s.worker_publishing_connection_name()).await);
-    close_connections(&mgmt, names).await
+    let names = [
+        s.worker_connection_name(),
+        s.worker_publishing_connection_name(),
+    ];
+    mgmt::blocking(move || {
+        let listed: Vec<String> = names
+            .iter()
+            .flat_map(|n| mgmt::connections_named(n))
+            .collect();
+        mgmt::close_connections(&listed)
+    })
+    .await
 }
 
 const N: usize = 3000;
@@ -133,7 +143,7 @@ const FLOW: Duration = Duration::from_secs(10);
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn exactly_once_effects_under_the_fault_mix() {
-    let db = EffectsDb::new().await;
+    let db = effects_db().await;
     let s = Scenario::new("inbox-mix", Shape::default()).await;
     let db = &db;
     s.run(|s| async move {
@@ -142,7 +152,8 @@ async fn exactly_once_effects_under_the_fault_mix() {
         let set: HashSet<String> = ids.iter().cloned().collect();
         // Retries enough that no message runs out of them (nothing may reach the DLQ): 10, the
         // delays capped at 400 ms.
-        let cmd = inbox_worker(&s, db)
+        let cmd = s
+            .inbox_worker(&db.name)
             .arg("fail-rate", 0.2)
             .arg("seed", 31)
             .arg("max-retries", 10)
@@ -195,7 +206,7 @@ async fn exactly_once_effects_under_the_fault_mix() {
             line,
             duplicates: dups,
             ..
-        } = assert_end(&s, db, &ids, "inbox under the fault mix").await;
+        } = assert_inbox_end(&s, db, &ids, "inbox under the fault mix").await;
         let after = log_count(&s, "injected abort after the commit");
         let before = log_count(&s, "injected abort before the commit");
         let restarts = fleet.restarts.load(Ordering::SeqCst);
@@ -229,14 +240,15 @@ async fn exactly_once_effects_under_the_fault_mix() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn forced_connection_closes_keep_effects_exactly_once() {
     const N: usize = 1000;
-    let db = EffectsDb::new().await;
+    let db = effects_db().await;
     let s = Scenario::new("inbox-conn", Shape::default()).await;
     let db = &db;
     s.run(|s| async move {
         let started = Instant::now();
         let ids: Vec<String> = (0..N).map(|i| format!("{}m{i:06}", s.prefix)).collect();
         let set: HashSet<String> = ids.iter().cloned().collect();
-        let cmd = inbox_worker(&s, db)
+        let cmd = s
+            .inbox_worker(&db.name)
             .arg("fail-rate", 0.3)
             .arg("seed", 37)
             .arg("max-retries", 10)
@@ -286,7 +298,7 @@ async fn forced_connection_closes_keep_effects_exactly_once() {
             line,
             duplicates: dups,
             ..
-        } = assert_end(&s, db, &ids, "inbox, connections force-closed").await;
+        } = assert_inbox_end(&s, db, &ids, "inbox, connections force-closed").await;
         report(format!(
             "RESULT fault=\"inbox: {closed} broker connections force-closed in {rounds} rounds, \
              fail rate 0.3\" broker=\"{}\" N={N} lost={} dlq={} {line}; {dups} deliveries found \

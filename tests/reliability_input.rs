@@ -3,6 +3,7 @@
 //! and the worker keeps serving good messages afterwards. Nothing is lost.
 
 use redeliver_testkit::reliability;
+use redeliver_testkit::Got;
 
 use std::collections::{HashMap, HashSet};
 use std::panic::AssertUnwindSafe;
@@ -384,12 +385,11 @@ async fn bad_input_ends_in_the_dlq_and_the_worker_keeps_serving() {
         for (id, _, _) in s.calls() {
             *calls.entry(id).or_default() += 1;
         }
-        let in_dlq: HashMap<&str, &reliability::Got> =
-            acc.dlq.iter().map(|g| (g.id.as_str(), g)).collect();
+        let in_dlq: HashMap<&str, &Got> = acc.dlq.iter().map(|g| (g.message_id(), g)).collect();
         let parked: HashSet<&str> = acc
             .unroutable_messages
             .iter()
-            .map(|g| g.id.as_str())
+            .map(Got::message_id)
             .collect();
         let mut failures = Vec::new();
         for c in &cases {
@@ -416,8 +416,8 @@ async fn bad_input_ends_in_the_dlq_and_the_worker_keeps_serving() {
         }
         let big_in_dlq = in_dlq
             .values()
-            .find(|g| g.id.ends_with("big-not-json"))
-            .map(|g| g.body_len);
+            .find(|g| g.message_id().ends_with("big-not-json"))
+            .map(|g| g.body.len());
         assert_eq!(
             big_in_dlq,
             Some(big),
@@ -454,7 +454,7 @@ async fn bad_input_ends_in_the_dlq_and_the_worker_keeps_serving() {
 /// `cargo test --test reliability_input malformed_x_death -- --nocapture`
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn malformed_x_death_reaches_the_dlq_without_breaking_dead_lettering() {
-    let nodes = reliability::Nodes::start("rdpoison", 1, 5693, false).await;
+    let nodes = redeliver_testkit::nodes::Nodes::start("rdpoison", 1, 5693, false).await;
     let mut failures = Vec::new();
     for queue_type in [QueueType::Quorum, QueueType::Classic] {
         let shape = Shape {

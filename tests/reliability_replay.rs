@@ -113,7 +113,7 @@ async fn dlq_replay_killed_mid_run_loses_nothing() {
         let back = s.drain(&queue).await;
         let mut copies: HashMap<&str, usize> = HashMap::new();
         for g in &back {
-            *copies.entry(g.id.as_str()).or_default() += 1;
+            *copies.entry(g.message_id()).or_default() += 1;
         }
         let lost: Vec<&String> = ids
             .iter()
@@ -122,7 +122,7 @@ async fn dlq_replay_killed_mid_run_loses_nothing() {
         let published: HashSet<&str> = ids.iter().map(String::as_str).collect();
         let foreign = back
             .iter()
-            .filter(|g| !published.contains(g.id.as_str()))
+            .filter(|g| !published.contains(g.message_id()))
             .count();
         let duplicates = back.len() - copies.len();
         // Named, so a failure says which messages the kills duplicated.

@@ -12,7 +12,8 @@ use redeliver_testkit::reliability;
 use std::collections::HashSet;
 use std::time::{Duration, Instant};
 
-use reliability::{report, Nodes, Scenario, Shape};
+use redeliver_testkit::nodes::Nodes;
+use reliability::{report, Scenario, Shape};
 
 const N: usize = 1000;
 const RESTARTS: usize = 2;

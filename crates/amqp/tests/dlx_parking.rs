@@ -104,7 +104,7 @@ async fn dead_letters_without_a_dlq_are_parked() {
         "RabbitMQ {version}: {N} rejected, {deleted} deleted with {dlq}, {} parked",
         got.len()
     );
-    let mut ids: Vec<String> = got.iter().map(|g| g.message_id()).collect();
+    let mut ids: Vec<&str> = got.iter().map(|g| g.message_id()).collect();
     ids.sort_by_key(|id| id[1..].parse::<u32>().unwrap_or(u32::MAX));
     ids.dedup();
     let expected: Vec<String> = (N / 2..N).map(|i| format!("m{i}")).collect();

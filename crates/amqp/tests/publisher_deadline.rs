@@ -12,8 +12,9 @@ use std::time::{Duration, Instant};
 use redeliver_amqp::lapin::options::{BasicGetOptions, QueueDeclareOptions};
 use redeliver_amqp::lapin::{BasicProperties, Connection, ConnectionProperties};
 use redeliver_amqp::{DelayConfig, Publisher, TlsConfig};
+use redeliver_testkit::nodes::Nodes;
 use redeliver_testkit::queue_depth;
-use redeliver_testkit::reliability::{report, Nodes};
+use redeliver_testkit::reliability::report;
 
 async fn connect(url: &str) -> Connection {
     redeliver_amqp::connect(url, ConnectionProperties::default(), &TlsConfig::new())

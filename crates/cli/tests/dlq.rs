@@ -1,13 +1,19 @@
 //! `dlq list|peek|replay|purge` against the real broker.
 
+#[path = "common/cleanup.rs"]
+mod cleanup;
 mod common;
+#[path = "common/declare.rs"]
+mod declare;
 #[path = "common/messages.rs"]
 mod messages;
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use cleanup::{cli, Cleanup};
 use common::*;
+use declare::declare;
 use lapin::types::AMQPValue;
 use messages::*;
 use redeliver_amqp::headers;

@@ -5,9 +5,15 @@
 //! exit 0, no panic, nothing a terminal would act on in its output, valid JSON, and no message
 //! lost or duplicated.
 
+#[path = "common/cleanup.rs"]
+mod cleanup;
 mod common;
+#[path = "common/declare.rs"]
+mod declare;
 
+use cleanup::{cli, Cleanup};
 use common::*;
+use declare::declare;
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
 use lapin::types::{AMQPValue, ByteArray, DecimalValue, FieldArray, FieldTable, LongString};
 use lapin::{BasicProperties, Connection};

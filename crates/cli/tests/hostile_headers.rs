@@ -3,11 +3,17 @@
 //! overflowed its stack, issue 29). Now each command reads it with the header cut and marked,
 //! and exits 0.
 
+#[path = "common/cleanup.rs"]
+mod cleanup;
 mod common;
+#[path = "common/declare.rs"]
+mod declare;
 #[path = "../../worker/tests/common/raw_publish.rs"]
 mod raw_publish;
 
+use cleanup::{cli, Cleanup};
 use common::*;
+use declare::declare;
 use redeliver_amqp::HEADERS_REMOVED;
 use redeliver_testkit::{amqp_url, connect, message_ids, ready_count as count};
 use serde_json::Value;

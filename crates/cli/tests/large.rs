@@ -6,11 +6,17 @@
 //! `cargo test -p redeliver-cli --test large -- --ignored`. It needs GNU time (`/usr/bin/time`)
 //! for the peak resident size of the CLI process.
 
+#[path = "common/cleanup.rs"]
+mod cleanup;
 mod common;
+#[path = "common/declare.rs"]
+mod declare;
 
 use std::process::Command;
 
+use cleanup::Cleanup;
 use common::*;
+use declare::declare;
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
 use lapin::BasicProperties;
 use redeliver_testkit::{amqp_url, connect, ready_count as count};

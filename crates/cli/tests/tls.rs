@@ -1,8 +1,6 @@
 //! The CLI over amqps:// against the testkit's TLS broker (a RabbitMQ node it starts with
 //! throwaway certificates, unless `AMQPS_URL` names one).
 
-// Only part of the shared helpers: this broker is not the default one.
-#[allow(dead_code)]
 mod common;
 #[path = "common/messages.rs"]
 mod messages;
@@ -11,8 +9,8 @@ use std::time::Duration;
 
 use common::*;
 use messages::*;
+use redeliver_testkit::connect_to;
 use redeliver_testkit::mgmt::Client;
-use redeliver_testkit::reliability::connect;
 use redeliver_testkit::{message_ids, reject_all, tls_broker, tls_file, wait_count};
 use serde_json::{json, Value};
 
@@ -33,7 +31,7 @@ impl Drop for TlsCleanup {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dlq_list_over_amqps() {
     let broker = tls_broker();
-    let conn = connect(&broker.amqp_url).await;
+    let conn = connect_to(&broker.amqp_url).await;
     let p = prefix();
     let _cleanup = TlsCleanup(p.clone());
     let levels = LEVELS.to_string();

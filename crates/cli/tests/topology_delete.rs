@@ -2,7 +2,8 @@
 //! (other services' pending retries, parked messages) are not deleted without --force, and
 //! nothing else is either.
 
-#[allow(dead_code)] // the shared helpers this file does not use
+#[path = "common/cleanup.rs"]
+mod cleanup;
 mod common;
 #[path = "common/messages.rs"]
 mod messages;
@@ -11,6 +12,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+use cleanup::{cli, Cleanup};
 use common::*;
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
 use lapin::BasicProperties;

@@ -1,10 +1,16 @@
 //! `topology declare|verify|show|delete` and `delay probe` against the real broker.
 
+#[path = "common/cleanup.rs"]
+mod cleanup;
 mod common;
+#[path = "common/declare.rs"]
+mod declare;
 #[path = "common/messages.rs"]
 mod messages;
 
+use cleanup::{cli, Cleanup};
 use common::*;
+use declare::declare;
 use messages::*;
 use redeliver_testkit::{connect, ready_count as count};
 use serde_json::Value;

@@ -7,13 +7,19 @@
 //! published straight to Q.dlq with the headers a worker writes (`DeadLetterInfo`), some with
 //! an old dead-lettering time so that `--older-than` is deterministic.
 
+#[path = "common/cleanup.rs"]
+mod cleanup;
 mod common;
+#[path = "common/declare.rs"]
+mod declare;
 #[path = "common/messages.rs"]
 mod messages;
 
 use std::time::{Duration, SystemTime};
 
+use cleanup::{cli, Cleanup};
 use common::*;
+use declare::declare;
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{BasicProperties, Connection};

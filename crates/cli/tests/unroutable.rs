@@ -1,11 +1,17 @@
 //! `unroutable list|replay|purge`: the parking queue of the delay infrastructure (a quorum
 //! queue, so these tests also check that listing keeps a quorum queue's order).
 
+#[path = "common/cleanup.rs"]
+mod cleanup;
 mod common;
+#[path = "common/declare.rs"]
+mod declare;
 
 use std::time::Duration;
 
+use cleanup::{cli, Cleanup};
 use common::*;
+use declare::declare;
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::BasicProperties;
 use redeliver_amqp::headers::{self, RetryState};

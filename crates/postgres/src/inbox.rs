@@ -517,7 +517,7 @@ impl Core {
             tracing::Span::current().record("duplicate", true);
             metrics::counter!(INBOX_DUPLICATES_TOTAL, "consumer" => self.inbox.consumer.to_string())
                 .increment(1);
-            tracing::debug!(consumer = %self.inbox.consumer, key = %key, "duplicate: already processed");
+            tracing::info!(consumer = %self.inbox.consumer, message_id = %ctx.message_id().unwrap_or(""), key = %key, "duplicate dropped: already processed");
             return Ok(None);
         }
         Ok(Some(Tx {

@@ -173,7 +173,7 @@ async fn rows_left_by_a_crash_are_published_when_a_relay_starts() {
     let got: BTreeSet<String> = drain_queue(&conn, &queue)
         .await
         .iter()
-        .map(|g| g.message_id())
+        .map(|g| g.message_id().to_owned())
         .collect();
     assert_eq!(got, ids);
     let p = pending(&db.pool, &db.schema).await.unwrap();
@@ -216,7 +216,7 @@ async fn two_relays_publish_every_row() {
     }
     let got = drain_queue(&conn, &queue).await;
     assert_eq!(got.len(), N);
-    let got: BTreeSet<String> = got.iter().map(|g| g.message_id()).collect();
+    let got: BTreeSet<String> = got.iter().map(|g| g.message_id().to_owned()).collect();
     assert_eq!(got, ids);
 }
 
@@ -370,7 +370,7 @@ async fn a_relay_killed_after_the_confirm_publishes_again_and_the_inbox_runs_onc
         });
     for copy in &copies {
         inbox
-            .handle(Raw(copy.body.clone()), context(Some(&id), &[]))
+            .handle(Raw(copy.body.clone()), context(Some(id), &[]))
             .await
             .expect("handled");
     }

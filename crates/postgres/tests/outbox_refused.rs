@@ -93,7 +93,7 @@ async fn receive(conn: &Connection, queue: &str, n: u32) -> BTreeMap<String, usi
     redeliver_testkit::wait_count(conn, queue, n, Duration::from_secs(60)).await;
     let mut ids = BTreeMap::new();
     for got in drain_queue(conn, queue).await {
-        *ids.entry(got.message_id()).or_insert(0) += 1;
+        *ids.entry(got.message_id().to_owned()).or_insert(0) += 1;
     }
     ids
 }
@@ -272,7 +272,7 @@ async fn a_row_that_closes_the_channel_is_found_and_the_others_go_out() {
     tokio::time::sleep(Duration::from_millis(300)).await;
     let mut got = BTreeMap::new();
     for m in drain_queue(&conn, &queue).await {
-        *got.entry(m.message_id()).or_insert(0) += 1;
+        *got.entry(m.message_id().to_owned()).or_insert(0) += 1;
     }
     let want: BTreeSet<&String> = messages
         .iter()
@@ -536,7 +536,7 @@ async fn the_relay_publishes_over_tls() {
         }
     }
     let _cleanup = TlsCleanup(prefix.clone());
-    let conn = redeliver_testkit::reliability::connect(&broker.amqp_url).await;
+    let conn = redeliver_testkit::connect_to(&broker.amqp_url).await;
     let queue = format!("{prefix}out");
     declare_queue(&conn, &queue).await;
     let db = TestDb::new().await;

@@ -4,6 +4,11 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
+/// The workspace's root directory (the examples and `scripts/` live there).
+pub(crate) fn workspace_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
 /// `<target>/<profile>/examples/<name>` of the test executable running now, built with
 /// `cargo build --example <name>` (same profile and target directory) when it is missing or
 /// older than any `.rs` file under `examples/`, `src/` and `crates/*/src/` of `workspace_root`.

@@ -8,7 +8,8 @@
 //! through the management API ([`mgmt`], [`Cleanup`]) and waits for the broker with the polling
 //! helpers here, which all take an explicit timeout. The example programs under test come
 //! from [`examples`] and run under [`process`]; [`http`] reads health and metrics endpoints;
-//! [`reliability`] is the conservation harness of the reliability suite.
+//! [`reliability`] is the conservation harness of the reliability suite, [`nodes`] the extra
+//! broker nodes of its disruptive tests.
 
 #![warn(missing_docs)]
 
@@ -24,10 +25,12 @@ use lapin::types::{AMQPValue, FieldTable};
 use lapin::{BasicProperties, Channel, Connection, ConnectionProperties, ExchangeKind};
 
 mod api;
+pub mod effects;
 pub mod examples;
 pub mod fixtures;
 pub mod http;
 pub mod mgmt;
+pub mod nodes;
 pub mod postgres;
 pub mod process;
 pub mod reliability;
@@ -58,12 +61,21 @@ pub fn amqp_url() -> String {
 /// When the broker cannot be reached, with instructions ([`START_BROKER`]): a broker test fails,
 /// it never skips.
 pub async fn connect() -> Connection {
-    let url = amqp_url();
-    match Connection::connect(&url, ConnectionProperties::default()).await {
+    connect_to(&amqp_url()).await
+}
+
+/// Connects to the broker at `url` (another node than the test broker: a TLS node, a node of
+/// [`nodes`]).
+///
+/// # Panics
+///
+/// When the broker cannot be reached, with instructions ([`START_BROKER`]).
+pub async fn connect_to(url: &str) -> Connection {
+    match Connection::connect(url, ConnectionProperties::default()).await {
         Ok(c) => c,
         Err(e) => panic!(
             "cannot connect to RabbitMQ at {}: {e}\n{START_BROKER}",
-            redact(&url)
+            redact(url)
         ),
     }
 }
@@ -325,6 +337,55 @@ pub fn message_id(props: &BasicProperties) -> String {
         .unwrap_or_default()
 }
 
+/// Message ids of every message in `queue`, removed (call once nothing publishes to it): a
+/// consumer without acks, many times faster than one basic.get a message for thousands.
+/// Panics when a message it was told of does not come within 10 s, or the queue is not empty
+/// afterwards.
+pub async fn drain_message_ids(conn: &Connection, queue: &str) -> Vec<String> {
+    use futures::StreamExt as _;
+    let passive = QueueDeclareOptions {
+        passive: true,
+        ..Default::default()
+    };
+    let ch = conn.create_channel().await.expect("a channel");
+    let n = ch
+        .queue_declare(queue.into(), passive, FieldTable::default())
+        .await
+        .unwrap_or_else(|e| panic!("passive declare of {queue}: {e}"))
+        .message_count() as usize;
+    let mut consumer = ch
+        .basic_consume(
+            queue.into(),
+            "outbox-test-drain".into(),
+            BasicConsumeOptions {
+                no_ack: true,
+                ..Default::default()
+            },
+            FieldTable::default(),
+        )
+        .await
+        .unwrap_or_else(|e| panic!("basic.consume on {queue}: {e}"));
+    let mut ids = Vec::with_capacity(n);
+    while ids.len() < n {
+        let d = tokio::time::timeout(Duration::from_secs(10), consumer.next())
+            .await
+            .unwrap_or_else(|_| panic!("{} of {n} messages drained from {queue}", ids.len()))
+            .expect("the drain consumer ended")
+            .expect("a delivery");
+        ids.push(message_id(&d.properties));
+    }
+    let _ = ch.close(200, "drained".into()).await;
+    let ch = conn.create_channel().await.expect("a channel");
+    let left = ch
+        .queue_declare(queue.into(), passive, FieldTable::default())
+        .await
+        .unwrap_or_else(|e| panic!("passive declare of {queue}: {e}"))
+        .message_count();
+    let _ = ch.close(200, "checked".into()).await;
+    assert_eq!(left, 0, "{queue} still holds messages after the drain");
+    ids
+}
+
 /// Runs `body`, then `cleanup` whether or not `body` panicked, then re-raises the panic: for
 /// cleanup that needs the async runtime (a drop guard cannot await).
 pub async fn with_cleanup<B, C>(body: B, cleanup: C)
@@ -341,7 +402,7 @@ where
 }
 
 /// A message read from a queue with basic.get: body and properties.
-#[derive(Debug)]
+#[derive(Clone, Debug)]
 pub struct Got {
     /// The body.
     pub body: Vec<u8>,
@@ -351,13 +412,21 @@ pub struct Got {
 
 impl Got {
     /// Its message id, or `""` when it has none.
-    pub fn message_id(&self) -> String {
-        message_id(&self.properties)
+    pub fn message_id(&self) -> &str {
+        self.properties
+            .message_id()
+            .as_ref()
+            .map_or("", |m| m.as_str())
+    }
+
+    /// Its headers, if it has any.
+    pub fn headers(&self) -> Option<&FieldTable> {
+        self.properties.headers().as_ref()
     }
 
     /// Header `name`, if present.
     pub fn header(&self, name: &str) -> Option<&AMQPValue> {
-        self.properties.headers().as_ref()?.inner().get(name)
+        self.headers()?.inner().get(name)
     }
 
     /// Header `name` as text, when it is a string.
@@ -369,10 +438,17 @@ impl Got {
     pub fn header_int(&self, name: &str) -> Option<i64> {
         value_int(self.header(name)?)
     }
+
+    /// `reason` of the newest x-death entry.
+    pub fn death_reason(&self) -> Option<String> {
+        redeliver_amqp::headers::x_death(self.headers())
+            .first()
+            .map(|d| d.reason.clone())
+    }
 }
 
 /// A header value as text, when it is a string.
-pub(crate) fn value_str(value: &AMQPValue) -> Option<String> {
+fn value_str(value: &AMQPValue) -> Option<String> {
     match value {
         AMQPValue::LongString(v) => Some(String::from_utf8_lossy(v.as_bytes()).into_owned()),
         AMQPValue::ShortString(v) => Some(v.as_str().to_owned()),
@@ -381,7 +457,7 @@ pub(crate) fn value_str(value: &AMQPValue) -> Option<String> {
 }
 
 /// A header value as an integer, when it is one of the integer types headers arrive as.
-pub(crate) fn value_int(value: &AMQPValue) -> Option<i64> {
+fn value_int(value: &AMQPValue) -> Option<i64> {
     match value {
         AMQPValue::LongLongInt(v) => Some(*v),
         AMQPValue::LongInt(v) => Some(i64::from(*v)),

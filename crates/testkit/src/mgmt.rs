@@ -189,6 +189,22 @@ pub fn kill_connections(name: &str) -> usize {
     conns.len()
 }
 
+/// Force-closes the listed connections of the test broker (their management names, as
+/// [`connections_named`] gives them), as an operator or a broker-side failure would; returns
+/// how many were closed. A connection already gone is not an error.
+///
+/// # Panics
+///
+/// When the management API cannot be reached or refuses a close.
+pub fn close_connections(names: &[String]) -> usize {
+    let client = Client::from_env();
+    names
+        .iter()
+        .map(|n| client.close_connection(n).unwrap_or_else(|e| panic!("{e}")))
+        .filter(|closed| *closed)
+        .count()
+}
+
 /// Waits (polling every 200 ms) until the management API lists a connection named `name`;
 /// returns whether it did within `timeout`.
 pub fn wait_for_connection(name: &str, timeout: Duration) -> bool {

@@ -138,3 +138,49 @@ impl Drop for SchemaGuard {
         drop_schema(&self.0);
     }
 }
+
+/// PostgreSQL's cluster, for the restart test: `pg_ctlcluster` on the one version installed.
+pub fn pg_ctlcluster(action: &str) -> Result<String, String> {
+    let versions: Vec<String> = std::fs::read_dir("/etc/postgresql")
+        .map_err(|e| format!("/etc/postgresql: {e}; {START_POSTGRES}"))?
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect();
+    let [version] = versions.as_slice() else {
+        return Err(format!(
+            "expected one PostgreSQL version in /etc/postgresql, found {versions:?}"
+        ));
+    };
+    let out = std::process::Command::new("pg_ctlcluster")
+        .args(["--skip-systemctl-redirect", version, "main", action])
+        .output()
+        .map_err(|e| format!("run pg_ctlcluster: {e}"))?;
+    if out.status.success() {
+        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+    } else {
+        Err(format!(
+            "pg_ctlcluster {version} main {action}: {}\n{}{}",
+            out.status,
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        ))
+    }
+}
+
+/// A pool of at most `max` connections on the test database whose sessions carry
+/// `application_name = app` (so a test can find and terminate the backends of one relay in
+/// `pg_stat_activity`), acquiring for at most `acquire_timeout`. Call after [`pool`] (or
+/// [`EffectsSchema::new`](crate::effects::EffectsSchema::new)), which makes sure PostgreSQL answers.
+pub async fn pool_named(app: &str, max: u32, acquire_timeout: Duration) -> PgPool {
+    let url = database_url();
+    let options: PgConnectOptions = url
+        .parse::<PgConnectOptions>()
+        .unwrap_or_else(|e| panic!("DATABASE_URL is not a PostgreSQL URL: {e}"))
+        .application_name(app);
+    PgPoolOptions::new()
+        .max_connections(max)
+        .acquire_timeout(acquire_timeout)
+        .connect_with(options)
+        .await
+        .unwrap_or_else(|e| panic!("cannot connect to PostgreSQL: {e}\n{START_POSTGRES}"))
+}

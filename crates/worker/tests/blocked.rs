@@ -14,7 +14,8 @@ use std::time::{Duration, Instant};
 
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
 use lapin::{BasicProperties, Connection, ConnectionProperties};
-use redeliver_testkit::reliability::{report, Nodes};
+use redeliver_testkit::nodes::Nodes;
+use redeliver_testkit::reliability::report;
 use redeliver_testkit::{queue_depth, unique_prefix};
 use redeliver_worker::{
     CancellationToken, Context, DelayConfig, HandlerError, Jitter, QueueType, Raw, RetryPolicy,

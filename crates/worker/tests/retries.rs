@@ -263,7 +263,7 @@ async fn permanent_and_malformed_go_straight_to_dlq() {
     token.cancel();
     run.await.unwrap().unwrap();
 
-    let mut ids: Vec<String> = dead.iter().map(Got::message_id).collect();
+    let mut ids: Vec<&str> = dead.iter().map(Got::message_id).collect();
     ids.sort();
     assert_eq!(ids, ["garbage", "perm"]);
     let calls = calls.lock().unwrap().clone();

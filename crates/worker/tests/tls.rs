@@ -86,7 +86,7 @@ async fn worker_consumes_retries_and_dead_letters_over_tls() {
     let broker = tls_broker();
     let names = Names::new("tls");
     let _cleanup = TlsCleanup(names.prefix.clone());
-    let conn = redeliver_testkit::reliability::connect(&broker.amqp_url).await;
+    let conn = redeliver_testkit::connect_to(&broker.amqp_url).await;
     let topo = names.topology("q", QueueType::Quorum, names.delay(6, QueueType::Classic));
     let queue = topo.queue_name();
     let calls: Calls = Default::default();
