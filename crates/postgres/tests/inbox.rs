@@ -78,31 +78,10 @@ fn consumer() -> String {
     format!("c-{}", redeliver_testkit::unique_id(8))
 }
 
-/// Collects what a subscriber writes, to read the log of one test.
-#[derive(Clone, Default)]
-struct Captured(Arc<std::sync::Mutex<Vec<u8>>>);
-
-impl std::io::Write for Captured {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        self.0.lock().unwrap().extend_from_slice(buf);
-        Ok(buf.len())
-    }
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
-
 // One thread: the subscriber set for this test sees everything the inbox logs while it runs.
 #[tokio::test(flavor = "current_thread")]
 async fn a_dropped_duplicate_is_logged_once_at_info_with_its_message_id() {
-    let captured = Captured::default();
-    let writer = captured.clone();
-    let subscriber = tracing_subscriber::fmt()
-        .with_max_level(tracing::Level::INFO)
-        .with_ansi(false)
-        .with_writer(move || writer.clone())
-        .finish();
-    let _guard = tracing::subscriber::set_default(subscriber);
+    let (captured, _guard) = redeliver_testkit::logs::capture(tracing::Level::INFO);
     let db = TestDb::with_effects().await;
     let c = consumer();
     let h = Inbox::new(db.pool.clone(), &c)
@@ -113,7 +92,7 @@ async fn a_dropped_duplicate_is_logged_once_at_info_with_its_message_id() {
             .await
             .expect("handled");
     }
-    let log = String::from_utf8_lossy(&captured.0.lock().unwrap()).into_owned();
+    let log = captured.text();
     let lines: Vec<&str> = log.lines().filter(|l| l.contains("duplicate")).collect();
     assert_eq!(lines.len(), 1, "one line for the one duplicate:\n{log}");
     let line = lines[0];

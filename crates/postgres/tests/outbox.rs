@@ -396,33 +396,12 @@ async fn storing_before_the_schema_is_prepared_says_what_to_call() {
     assert!(err.to_string().contains("Schema::prepare"), "{err}");
 }
 
-/// Collects what a subscriber writes, to read the log of one test.
-#[derive(Clone, Default)]
-struct Captured(std::sync::Arc<std::sync::Mutex<Vec<u8>>>);
-
-impl std::io::Write for Captured {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        self.0.lock().unwrap().extend_from_slice(buf);
-        Ok(buf.len())
-    }
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
-
 /// An inbox whose schema's outbox holds rows nobody ever tried to publish (its relay runs on
 /// another schema, or not at all) says so when it is prepared.
 // One thread: the subscriber set for this test sees everything logged while it runs.
 #[tokio::test(flavor = "current_thread")]
 async fn an_inbox_warns_when_its_outbox_is_not_relayed() {
-    let captured = Captured::default();
-    let writer = captured.clone();
-    let subscriber = tracing_subscriber::fmt()
-        .with_max_level(tracing::Level::WARN)
-        .with_ansi(false)
-        .with_writer(move || writer.clone())
-        .finish();
-    let _guard = tracing::subscriber::set_default(subscriber);
+    let (captured, _guard) = redeliver_testkit::logs::capture(tracing::Level::WARN);
     let db = TestDb::new().await;
     db.schema.migrate(&db.pool).await.unwrap();
     // Fresh rows are no sign of anything: no warning.
@@ -433,7 +412,7 @@ async fn an_inbox_warns_when_its_outbox_is_not_relayed() {
         .prepare()
         .await
         .unwrap();
-    assert!(captured.0.lock().unwrap().is_empty());
+    assert!(captured.text().is_empty());
     sqlx::query(&format!(
         "UPDATE {}.outbox SET created_at = now() - interval '5 minutes'",
         db.name
@@ -446,7 +425,7 @@ async fn an_inbox_warns_when_its_outbox_is_not_relayed() {
         .prepare()
         .await
         .unwrap();
-    let log = String::from_utf8_lossy(&captured.0.lock().unwrap()).into_owned();
+    let log = captured.text();
     assert!(
         log.contains("is a Relay running") && log.contains(&db.name),
         "{log}"

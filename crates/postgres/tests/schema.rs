@@ -202,35 +202,14 @@ async fn without_migrations_the_tables_are_checked() {
     assert_eq!(ledger, None);
 }
 
-/// Collects what a subscriber writes, to read the log of one test.
-#[derive(Clone, Default)]
-struct Captured(std::sync::Arc<std::sync::Mutex<Vec<u8>>>);
-
-impl std::io::Write for Captured {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        self.0.lock().unwrap().extend_from_slice(buf);
-        Ok(buf.len())
-    }
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
-
 // One thread: the subscriber set for this test sees everything sqlx logs while it runs.
 #[tokio::test(flavor = "current_thread")]
 async fn a_second_start_logs_no_already_exists_notices() {
-    let captured = Captured::default();
-    let writer = captured.clone();
-    let subscriber = tracing_subscriber::fmt()
-        .with_max_level(tracing::Level::INFO)
-        .with_ansi(false)
-        .with_writer(move || writer.clone())
-        .finish();
-    let _guard = tracing::subscriber::set_default(subscriber);
+    let (captured, _guard) = redeliver_testkit::logs::capture(tracing::Level::INFO);
     let db = TestDb::new().await;
     db.schema.migrate(&db.pool).await.expect("first migration");
     db.schema.migrate(&db.pool).await.expect("second migration");
-    let log = String::from_utf8_lossy(&captured.0.lock().unwrap()).into_owned();
+    let log = captured.text();
     assert!(
         !log.contains("already exists"),
         "a service's every start would log PostgreSQL's notices:\n{log}"

@@ -29,6 +29,7 @@ pub mod effects;
 pub mod examples;
 pub mod fixtures;
 pub mod http;
+pub mod logs;
 pub mod mgmt;
 pub mod nodes;
 pub mod postgres;

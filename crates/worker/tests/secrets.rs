@@ -10,7 +10,6 @@
 
 use std::ffi::OsString;
 use std::io::Write as _;
-use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use proptest::prelude::*;
@@ -258,35 +257,14 @@ fn a_url_that_is_not_unicode_is_reported_without_its_password() {
     );
 }
 
-/// A `Write` into a shared buffer, for the tracing subscriber.
-#[derive(Clone, Default)]
-struct Captured(Arc<Mutex<Vec<u8>>>);
-
-impl std::io::Write for Captured {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        self.0
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .extend_from_slice(buf);
-        Ok(buf.len())
-    }
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
-
 /// A worker refused by the broker (wrong password, with every character that trips URL code)
 /// and failing over to a closed port logs at every level, lapin's included, without the
 /// password.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tracing_output_never_shows_the_password() {
-    let captured = Captured::default();
-    let writer = captured.clone();
-    tracing_subscriber::fmt()
-        .with_max_level(tracing::Level::TRACE)
-        .with_ansi(false)
-        .with_writer(move || writer.clone())
-        .try_init()
+    // Global, not per thread: the worker logs from its runtime's threads.
+    let captured = redeliver_testkit::logs::Captured::default();
+    tracing::subscriber::set_global_default(captured.subscriber(tracing::Level::TRACE))
         .expect("the only subscriber of this test binary");
     let _broker = redeliver_testkit::connect().await;
     let base = BrokerUrl::parse(&redeliver_testkit::amqp_url()).expect("AMQP_URL");
@@ -311,9 +289,7 @@ async fn tracing_output_never_shows_the_password() {
         .await
         .expect("the worker stops when cancelled")
         .expect("the worker task");
-    let text = String::from_utf8_lossy(&captured.0.lock().unwrap_or_else(|p| p.into_inner()))
-        .into_owned()
-        + &format!("{ended:?}");
+    let text = captured.text() + &format!("{ended:?}");
     assert!(
         text.contains("ACCESS_REFUSED") || text.contains("refused"),
         "the broker refused the login: {text}"
