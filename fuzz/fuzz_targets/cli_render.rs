@@ -1,4 +1,5 @@
-//! The CLI's message summary and rendering (`crates/cli/src/{message,output,text,select}.rs`):
+//! The CLI's message summary and rendering (`redeliver_cli::fuzzing`, over
+//! `crates/cli/src/{message,output,text,select}.rs`):
 //! `dlq list`, `stats`, `peek` in text and JSON, the `replay`/`purge` selection, and the
 //! properties of a replayed copy, for a delivery whose every part the publisher chose:
 //! exchange, routing key, every property, headers of any type nested up to 40 levels and up
@@ -19,8 +20,8 @@ use std::time::{Duration, UNIX_EPOCH};
 
 use arbitrary::Unstructured;
 use libfuzzer_sys::fuzz_target;
+use redeliver_cli::fuzzing::{self as cli, Delivery, Selection};
 use redeliver_fuzz::amqp;
-use redeliver_fuzz::cli::{self, Delivery, Selection};
 
 fn check_text(what: &str, s: &str) {
     if let Some(c) = s

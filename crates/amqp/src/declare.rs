@@ -9,7 +9,7 @@ use lapin::options::{
     QueueDeclareOptions, QueueDeleteOptions,
 };
 use lapin::protocol::{AMQPErrorKind, AMQPSoftError};
-use lapin::types::{AMQPValue, FieldTable, LongString};
+use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 use lapin::{Channel, Connection, ExchangeKind};
 
 use crate::error::TopologyError;
@@ -92,6 +92,11 @@ pub(crate) enum Op {
         source: String,
         key: String,
     },
+    UnbindQueue {
+        queue: String,
+        exchange: String,
+        key: String,
+    },
     DeleteQueue {
         name: String,
     },
@@ -108,6 +113,11 @@ impl Op {
             }
             Op::Queue { name, .. } | Op::DeleteQueue { name } => format!("queue '{name}'"),
             Op::BindQueue {
+                queue,
+                exchange,
+                key,
+            }
+            | Op::UnbindQueue {
                 queue,
                 exchange,
                 key,
@@ -152,7 +162,8 @@ pub(crate) struct Session<'a> {
 
 /// Declares `queue` passively on `channel`: the queue's counts, or `None` when it does not exist.
 /// The broker answers a missing queue with a 404 that closes `channel`: pass a channel of its
-/// own, or open another after a `None`.
+/// own, or open another after a `None`. A name longer than 255 bytes names no queue: `None`,
+/// without asking the broker.
 ///
 /// ```no_run
 /// # async fn demo(conn: &redeliver_amqp::lapin::Connection) -> Result<(), redeliver_amqp::lapin::Error> {
@@ -167,9 +178,13 @@ pub async fn passive_queue(
     channel: &Channel,
     queue: &str,
 ) -> Result<Option<lapin::Queue>, lapin::Error> {
+    // No queue can have a name longer than AMQP's short string (and lapin would panic on it).
+    let Ok(name) = ShortString::try_new(queue) else {
+        return Ok(None);
+    };
     let declared = channel
         .queue_declare(
-            queue.into(),
+            name,
             QueueDeclareOptions {
                 passive: true,
                 ..QueueDeclareOptions::default()
@@ -180,6 +195,44 @@ pub async fn passive_queue(
     match declared {
         Ok(q) => Ok(Some(q)),
         Err(e) if crate::error::is_not_found(&e) => Ok(None),
+        Err(e) => Err(e),
+    }
+}
+
+/// Declares `exchange` passively on `channel`: `true` when it exists, `false` when it does not.
+/// A passive declare compares neither type nor arguments, so any exchange of that name counts.
+/// As with [`passive_queue`], the broker's 404 closes `channel`: pass a channel of its own, or
+/// open another after a `false`. A name longer than 255 bytes names no exchange: `false`,
+/// without asking the broker.
+///
+/// ```no_run
+/// # async fn demo(conn: &redeliver_amqp::lapin::Connection) -> Result<(), redeliver_amqp::lapin::Error> {
+/// let channel = conn.create_channel().await?;
+/// if !redeliver_amqp::passive_exchange(&channel, "images.dlx").await? {
+///     println!("no such exchange");
+/// }
+/// # Ok(()) }
+/// ```
+pub async fn passive_exchange(channel: &Channel, exchange: &str) -> Result<bool, lapin::Error> {
+    // No exchange can have a name longer than AMQP's short string (lapin would panic on it).
+    let Ok(name) = ShortString::try_new(exchange) else {
+        return Ok(false);
+    };
+    let declared = channel
+        .exchange_declare(
+            name,
+            // Ignored by a passive declare; some kind must be sent.
+            ExchangeKind::Direct,
+            ExchangeDeclareOptions {
+                passive: true,
+                ..ExchangeDeclareOptions::default()
+            },
+            FieldTable::default(),
+        )
+        .await;
+    match declared {
+        Ok(()) => Ok(true),
+        Err(e) if crate::error::is_not_found(&e) => Ok(false),
         Err(e) => Err(e),
     }
 }
@@ -195,9 +248,33 @@ impl<'a> Session<'a> {
     /// Runs one (passive) declaration: `Ok(false)` when the object does not exist. The session
     /// stays usable (a 404 closes its channel; the next operation opens another).
     pub(crate) async fn exists(&mut self, op: &Op) -> Result<bool, TopologyError> {
+        Ok(self.run_missing_ok(op).await?.is_some())
+    }
+
+    /// Ready messages of `queue` (a passive declare), `None` when it does not exist.
+    pub(crate) async fn count(&mut self, queue: &str) -> Result<Option<u32>, TopologyError> {
+        self.run_missing_ok(&Op::Queue {
+            name: queue.to_owned(),
+            args: FieldTable::default(),
+            passive: true,
+        })
+        .await
+    }
+
+    /// Deletes `queue` with its messages: how many it held, `None` when it did not exist.
+    pub(crate) async fn delete_queue(&mut self, queue: &str) -> Result<Option<u32>, TopologyError> {
+        self.run_missing_ok(&Op::DeleteQueue {
+            name: queue.to_owned(),
+        })
+        .await
+    }
+
+    /// Runs `op`; `Ok(None)` when the broker answered 404 (the object, or one end of a
+    /// binding, does not exist), else what [`Self::run`] gives.
+    pub(crate) async fn run_missing_ok(&mut self, op: &Op) -> Result<Option<u32>, TopologyError> {
         match self.run(op).await {
-            Ok(()) => Ok(true),
-            Err(TopologyError::Missing { .. }) => Ok(false),
+            Ok(n) => Ok(Some(n)),
+            Err(TopologyError::Missing { .. }) => Ok(None),
             Err(e) => Err(e),
         }
     }
@@ -208,7 +285,7 @@ impl<'a> Session<'a> {
         let mut result = Ok(());
         for op in &ops {
             match self.run(op).await {
-                Ok(()) => {}
+                Ok(_) => {}
                 Err(TopologyError::Missing { .. }) if op.is_delete() => {}
                 Err(e) => {
                     result = Err(e);
@@ -216,16 +293,22 @@ impl<'a> Session<'a> {
                 }
             }
         }
+        self.close().await;
+        result
+    }
+
+    /// Closes the session's channel, if open.
+    pub(crate) async fn close(mut self) {
         if let Some(ch) = self.channel.take() {
             if ch.status().connected() {
                 // Best effort: the work is done (or failed) either way.
                 let _ = ch.close(200, "OK".into()).await;
             }
         }
-        result
     }
 
-    async fn run(&mut self, op: &Op) -> Result<(), TopologyError> {
+    /// Runs one operation: the message count of a queue declared or deleted, else 0.
+    pub(crate) async fn run(&mut self, op: &Op) -> Result<u32, TopologyError> {
         let ch = match &self.channel {
             Some(ch) if ch.status().connected() => ch.clone(),
             _ => {
@@ -234,42 +317,46 @@ impl<'a> Session<'a> {
                 ch
             }
         };
-        let res = Self::exec(&ch, op).await;
-        if let Err(e) = res {
-            // A soft error closed the channel; the next op opens a fresh one.
-            self.channel = None;
-            return Err(classify(op, e));
+        match Self::exec(&ch, op).await {
+            Ok(n) => Ok(n),
+            Err(e) => {
+                // A soft error closed the channel; the next op opens a fresh one.
+                self.channel = None;
+                Err(classify(op, e))
+            }
         }
-        Ok(())
     }
 
-    async fn exec(ch: &Channel, op: &Op) -> Result<(), Failure> {
+    async fn exec(ch: &Channel, op: &Op) -> Result<u32, Failure> {
         match op {
+            Op::Exchange { name, passive, .. } if *passive => {
+                if !passive_exchange(ch, short(name)?.as_str()).await? {
+                    return Err(Failure::Missing);
+                }
+            }
             Op::Exchange {
-                name,
-                kind,
-                args,
-                passive,
+                name, kind, args, ..
             } => {
                 let opts = ExchangeDeclareOptions {
-                    passive: *passive,
                     durable: true,
                     ..Default::default()
                 };
                 ch.exchange_declare(short(name)?, kind.clone(), opts, args.clone())
                     .await?;
             }
-            Op::Queue {
-                name,
-                args,
-                passive,
-            } => {
+            Op::Queue { name, passive, .. } if *passive => {
+                return match passive_queue(ch, short(name)?.as_str()).await? {
+                    Some(q) => Ok(q.message_count()),
+                    None => Err(Failure::Missing),
+                };
+            }
+            Op::Queue { name, args, .. } => {
                 let opts = QueueDeclareOptions {
-                    passive: *passive,
                     durable: true,
                     ..Default::default()
                 };
-                ch.queue_declare(short(name)?, opts, args.clone()).await?;
+                let q = ch.queue_declare(short(name)?, opts, args.clone()).await?;
+                return Ok(q.message_count());
             }
             Op::BindQueue {
                 queue,
@@ -281,6 +368,19 @@ impl<'a> Session<'a> {
                     short(exchange)?,
                     short(key)?,
                     QueueBindOptions::default(),
+                    FieldTable::default(),
+                )
+                .await?;
+            }
+            Op::UnbindQueue {
+                queue,
+                exchange,
+                key,
+            } => {
+                ch.queue_unbind(
+                    short(queue)?,
+                    short(exchange)?,
+                    short(key)?,
                     FieldTable::default(),
                 )
                 .await?;
@@ -300,21 +400,24 @@ impl<'a> Session<'a> {
                 .await?;
             }
             Op::DeleteQueue { name } => {
-                ch.queue_delete(short(name)?, QueueDeleteOptions::default())
-                    .await?;
+                return Ok(ch
+                    .queue_delete(short(name)?, QueueDeleteOptions::default())
+                    .await?);
             }
             Op::DeleteExchange { name } => {
                 ch.exchange_delete(short(name)?, ExchangeDeleteOptions::default())
                     .await?;
             }
         }
-        Ok(())
+        Ok(0)
     }
 }
 
 enum Failure {
     Name(NameError),
     Amqp(lapin::Error),
+    /// A passive declare found nothing (the broker's 404, already read).
+    Missing,
 }
 
 impl From<NameError> for Failure {
@@ -332,6 +435,11 @@ impl From<lapin::Error> for Failure {
 fn classify(op: &Op, f: Failure) -> TopologyError {
     let e = match f {
         Failure::Name(n) => return TopologyError::InvalidName(n),
+        Failure::Missing => {
+            return TopologyError::Missing {
+                object: op.object(),
+            }
+        }
         Failure::Amqp(e) => e,
     };
     let lapin::ErrorKind::ProtocolError(amqp) = e.kind() else {

@@ -563,31 +563,13 @@ impl DelayConfig {
             .await
     }
 
-    /// Deletes every delay exchange and queue, messages included (for tests and the CLI).
-    /// Objects that do not exist are skipped.
+    /// Deletes every delay exchange and queue, messages included (for tests). Objects that do
+    /// not exist are skipped. To keep other services' pending retries and parked messages, use
+    /// [`Self::delete_checked`] with [`HeldMessages::Refuse`](crate::HeldMessages::Refuse).
     pub async fn delete(&self, conn: &lapin::Connection) -> Result<(), TopologyError> {
-        let mut v = Vec::new();
-        for k in (0..self.levels).rev() {
-            v.push(Op::DeleteQueue {
-                name: self.level_name(k),
-            });
-            v.push(Op::DeleteExchange {
-                name: self.level_name(k),
-            });
-        }
-        v.push(Op::DeleteExchange {
-            name: self.deliver_exchange(),
-        });
-        v.push(Op::DeleteQueue {
-            name: self.unroutable_name(),
-        });
-        v.push(Op::DeleteExchange {
-            name: self.unroutable_name(),
-        });
-        v.push(Op::DeleteExchange {
-            name: self.settings_name(),
-        });
-        declare::Session::new(conn).run_all(v).await
+        self.delete_checked(conn, crate::HeldMessages::Discard)
+            .await
+            .map(drop)
     }
 }
 

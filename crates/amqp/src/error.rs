@@ -3,6 +3,7 @@
 
 use std::time::Duration;
 
+use crate::delete::QueueMessages;
 use crate::names::NameError;
 
 /// Why a delay cannot be routed.
@@ -130,6 +131,38 @@ pub enum TopologyError {
         /// The broker's reply text.
         broker_message: String,
     },
+    /// [`DelayConfig::delete_checked`](crate::DelayConfig::delete_checked) with
+    /// [`HeldMessages::Refuse`](crate::HeldMessages::Refuse) found delay queues holding
+    /// messages (other services' pending retries, whose originals are already acknowledged, or
+    /// parked messages). Nothing was deleted, unless messages reached the parking queue while
+    /// deleting: then only `already_deleted` was. Wait until the queues are empty, or discard
+    /// their messages with [`HeldMessages::Discard`](crate::HeldMessages::Discard).
+    #[error(
+        "refusing to delete the delay infrastructure of prefix '{prefix}': {} hold messages; {}",
+        list_counts(non_empty),
+        describe_deleted(already_deleted)
+    )]
+    DelayNotEmpty {
+        /// The delay prefix.
+        prefix: String,
+        /// The delay queues that hold messages, none of them deleted.
+        non_empty: Vec<QueueMessages>,
+        /// Empty delay queues deleted before a queue that had meanwhile received messages was
+        /// found (only when messages arrived while deleting); nothing else was deleted.
+        already_deleted: Vec<String>,
+    },
+    /// While deleting the delay infrastructure, messages reached a level queue after its
+    /// binding was removed; nothing was deleted, but binding `queue` to its exchange again
+    /// failed, so retries routed to that level go to the parking queue instead. Declare the
+    /// delay infrastructure again.
+    #[error("messages arrived in the delay queues while deleting, so nothing was deleted, but binding '{queue}' to its exchange again failed: declare the delay infrastructure again")]
+    DelayRestore {
+        /// The level queue left without its binding.
+        queue: String,
+        /// Why binding it failed.
+        #[source]
+        source: Box<TopologyError>,
+    },
     /// A queue or exchange name is unusable.
     #[error(transparent)]
     InvalidName(#[from] NameError),
@@ -139,4 +172,25 @@ pub enum TopologyError {
     /// Any other AMQP error (connection lost, ...).
     #[error("AMQP error: {0}")]
     Amqp(#[from] lapin::Error),
+}
+
+/// `'q' (2 message(s)), ...`
+fn list_counts(v: &[QueueMessages]) -> String {
+    v.iter()
+        .map(|c| format!("'{}' ({} message(s))", c.queue, c.messages))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+fn describe_deleted(v: &[String]) -> String {
+    if v.is_empty() {
+        return "nothing was deleted".to_owned();
+    }
+    format!(
+        "messages arrived while deleting: only the empty queues {} were deleted, nothing else",
+        v.iter()
+            .map(|q| format!("'{q}'"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    )
 }

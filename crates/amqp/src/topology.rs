@@ -404,7 +404,7 @@ impl Topology {
     }
 
     /// Deletes `Q`, `Q.dlq` and `Q.dlx` with their messages (not the shared delay
-    /// infrastructure). Objects that do not exist are skipped.
+    /// infrastructure: see [`Self::delete_with_delay`]). Objects that do not exist are skipped.
     pub async fn delete(&self, conn: &lapin::Connection) -> Result<(), TopologyError> {
         declare::Session::new(conn)
             .run_all(vec![

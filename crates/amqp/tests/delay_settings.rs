@@ -5,9 +5,8 @@ mod common;
 
 use std::time::Duration;
 
-use redeliver_amqp::lapin::options::ExchangeDeclareOptions;
-use redeliver_amqp::lapin::{Connection, ExchangeKind};
-use redeliver_amqp::{DelayConfig, QueueType, Topology, TopologyError};
+use redeliver_amqp::lapin::Connection;
+use redeliver_amqp::{passive_exchange, DelayConfig, QueueType, Topology, TopologyError};
 
 fn cfg(prefix: &str) -> DelayConfig {
     DelayConfig::new().prefix(prefix).levels(4)
@@ -15,22 +14,13 @@ fn cfg(prefix: &str) -> DelayConfig {
 
 async fn exchange_exists(conn: &Connection, name: &str) -> bool {
     let ch = conn.create_channel().await.unwrap();
-    let ok = ch
-        .exchange_declare(
-            name.into(),
-            ExchangeKind::Fanout,
-            ExchangeDeclareOptions {
-                passive: true,
-                ..Default::default()
-            },
-            Default::default(),
-        )
+    let exists = passive_exchange(&ch, name)
         .await
-        .is_ok();
-    if ok {
+        .unwrap_or_else(|e| panic!("passive declare of exchange {name}: {e}"));
+    if exists {
         let _ = ch.close(200, "ok".into()).await;
     }
-    ok
+    exists
 }
 
 /// The error must name the existing and the requested settings.

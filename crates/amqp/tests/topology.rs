@@ -76,17 +76,10 @@ async fn mismatch_is_typed_and_callers_channel_survives() {
 
         // The caller's channel and the connection are untouched by the 406.
         assert!(user_channel.status().connected());
-        user_channel
-            .queue_declare(
-                t.queue_name().as_str().into(),
-                QueueDeclareOptions {
-                    passive: true,
-                    ..Default::default()
-                },
-                FieldTable::default(),
-            )
+        redeliver_amqp::passive_queue(&user_channel, &t.queue_name())
             .await
-            .expect("original channel still usable");
+            .expect("original channel still usable")
+            .expect("the queue exists");
         assert!(conn.status().connected());
     })
     .await;

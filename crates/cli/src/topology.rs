@@ -1,14 +1,11 @@
 //! `topology declare|verify|show|delete`.
 
 use anyhow::Context as _;
-use lapin::options::{
-    ExchangeDeclareOptions, ExchangeDeleteOptions, QueueBindOptions, QueueDeclareOptions,
-    QueueDeleteOptions,
-};
 use lapin::types::FieldTable;
-use lapin::{Channel, Connection, ExchangeKind};
-use redeliver_amqp::DelayConfig;
-use redeliver_amqp::{QueueType, Topology};
+use lapin::Connection;
+use redeliver_amqp::{
+    DelayConfig, HeldMessages, QueueMessages, QueueType, Topology, TopologyError,
+};
 use serde::Serialize;
 use serde_json::Value;
 
@@ -153,6 +150,13 @@ struct QueueCount {
 }
 
 impl QueueCount {
+    fn new(q: &QueueMessages) -> Self {
+        Self {
+            queue: q.queue.clone(),
+            messages: q.messages,
+        }
+    }
+
     fn list(v: &[QueueCount]) -> String {
         v.iter()
             .map(|c| format!("'{}' ({} message(s))", c.queue, c.messages))
@@ -268,12 +272,34 @@ pub(crate) async fn delete(
     let mut discarded = Vec::new();
     // The delay infrastructure goes first: when it is refused, Q's own objects stay too.
     if include_delay {
-        let outcome = delete_delay(conn, t.delay_config(), force)
-            .await
-            .context("cannot delete the delay infrastructure")?;
-        match outcome {
-            Ok(gone) => discarded = gone,
-            Err(refusal) => return refuse(a, &t, &refusal, json),
+        let held = if force {
+            HeldMessages::Discard
+        } else {
+            HeldMessages::Refuse
+        };
+        match t.delay_config().delete_checked(conn, held).await {
+            Ok(gone) => discarded = gone.iter().map(QueueCount::new).collect(),
+            Err(TopologyError::DelayNotEmpty {
+                non_empty,
+                already_deleted,
+                ..
+            }) => {
+                let refusal = Refusal {
+                    non_empty: non_empty.iter().map(QueueCount::new).collect(),
+                    already_deleted,
+                };
+                return refuse(a, &t, &refusal, json);
+            }
+            Err(TopologyError::DelayRestore { queue, source }) => {
+                return Err(anyhow::Error::new(*source)
+                    .context(format!(
+                        "messages arrived in the delay queues while deleting, so nothing was \
+                         deleted, but binding '{queue}' to its exchange again failed: declare \
+                         the delay infrastructure again (`redeliver topology declare`)"
+                    ))
+                    .context("cannot delete the delay infrastructure"));
+            }
+            Err(e) => return Err(e).context("cannot delete the delay infrastructure"),
         }
     }
     t.delete(conn)
@@ -330,294 +356,6 @@ fn refuse(a: &TopologyArgs, t: &Topology, r: &Refusal, json: bool) -> anyhow::Re
     Err(anyhow::Error::new(UsageError(message)))
 }
 
-/// The delay queues that may hold messages: the levels, top down, then the parking queue.
-fn delay_queues(cfg: &DelayConfig) -> Vec<String> {
-    let mut v: Vec<String> = (0..cfg.configured_levels())
-        .rev()
-        .map(|k| cfg.level_name(k))
-        .collect();
-    v.push(cfg.unroutable_name());
-    v
-}
-
-/// How long a publish the broker routed before a binding or an exchange went away may still be
-/// on its way to the queue (measured in milliseconds; a loaded node is slower).
-const IN_FLIGHT: std::time::Duration = std::time::Duration::from_secs(1);
-
-/// Deletes the delay infrastructure. With `force`, everything goes and the queues that held
-/// messages are returned. Without it, nothing goes if any delay queue holds messages, and a
-/// queue is only deleted once nothing can reach it any more and it was found empty then.
-///
-/// The broker cannot do that check for us: `queue.delete` with `if-empty` is refused on
-/// quorum queues (the default level type and always the parking queue's) by 3.10.8, 4.0.5 and
-/// 4.3.6 alike ("not supported by quorum queues", NOT_IMPLEMENTED, which closes the whole
-/// connection over AMQP), and the CLI cannot tell a level queue's type. So the way in is closed
-/// first: a level queue receives only through its exchange's binding, which is removed before
-/// the queue is counted again; a retry routed there meanwhile goes to the alternate exchange,
-/// the parking queue. The parking queue is counted again after every exchange that could route
-/// to it is gone.
-async fn delete_delay(
-    conn: &Connection,
-    cfg: &DelayConfig,
-    force: bool,
-) -> anyhow::Result<Result<Vec<QueueCount>, Refusal>> {
-    let mut ops = Ops::new(conn);
-    // Count everything first, so a refusal changes nothing.
-    let mut held = Vec::new();
-    for q in delay_queues(cfg) {
-        if let Some(n) = ops.count(&q).await? {
-            if n > 0 {
-                held.push(QueueCount {
-                    queue: q,
-                    messages: n,
-                });
-            }
-        }
-    }
-    if !held.is_empty() && !force {
-        ops.close().await;
-        return Ok(Err(Refusal {
-            non_empty: held,
-            already_deleted: Vec::new(),
-        }));
-    }
-    if force {
-        let mut discarded = Vec::new();
-        for k in (0..cfg.configured_levels()).rev() {
-            let name = cfg.level_name(k);
-            if let Some(n) = ops.delete_queue(&name).await? {
-                if n > 0 {
-                    discarded.push(QueueCount {
-                        queue: name.clone(),
-                        messages: n,
-                    });
-                }
-            }
-            ops.delete_exchange(&name).await?;
-        }
-        ops.delete_exchange(&cfg.deliver_exchange()).await?;
-        let parking = cfg.unroutable_name();
-        if let Some(n) = ops.delete_queue(&parking).await? {
-            if n > 0 {
-                discarded.push(QueueCount {
-                    queue: parking.clone(),
-                    messages: n,
-                });
-            }
-        }
-        ops.delete_exchange(&parking).await?;
-        ops.delete_exchange(&cfg.settings_name()).await?;
-        ops.close().await;
-        return Ok(Ok(discarded));
-    }
-    // Every way in closed first, then one pause for what was routed before: a publish the
-    // exchange routed just before the unbind still travels to the queue (to a quorum queue's
-    // leader through the publisher's channel), and counted too early it would be deleted with
-    // the queue. RabbitMQ then even confirms it (its queue is gone), so the publisher believes
-    // the retry is stored.
-    let levels: Vec<(String, String)> = (0..cfg.configured_levels())
-        .rev()
-        .map(|k| (cfg.level_name(k), cfg.level_binding_key(k, true)))
-        .collect();
-    for (name, key) in &levels {
-        ops.unbind(name, name, key).await?;
-    }
-    tokio::time::sleep(IN_FLIGHT).await;
-    // The level queues that exist, with what they hold now.
-    let mut counted = Vec::new();
-    for (name, key) in &levels {
-        if let Some(n) = ops.count(name).await? {
-            counted.push((name, key, n));
-        }
-    }
-    let arrived: Vec<QueueCount> = counted
-        .iter()
-        .filter(|(_, _, n)| *n > 0)
-        .map(|(name, _, n)| QueueCount {
-            queue: (*name).clone(),
-            messages: *n,
-        })
-        .collect();
-    if !arrived.is_empty() {
-        // Put the ways in back: every queue stays as it was.
-        for (name, key, _) in &counted {
-            ops.bind(name, name, key).await.with_context(|| {
-                format!(
-                    "messages arrived in the delay queues while deleting, so nothing was \
-                     deleted, but binding '{name}' to its exchange again failed: declare the \
-                     delay infrastructure again (`redeliver topology declare`)"
-                )
-            })?;
-        }
-        ops.close().await;
-        return Ok(Err(Refusal {
-            non_empty: arrived,
-            already_deleted: Vec::new(),
-        }));
-    }
-    let mut deleted = Vec::new();
-    for (name, _, _) in counted {
-        ops.delete_queue(name).await?;
-        deleted.push(name.clone());
-    }
-    // No level queue is left, so nothing is waiting to expire into these exchanges; a retry
-    // published from now on fails at its publisher (404) instead of vanishing.
-    for k in (0..cfg.configured_levels()).rev() {
-        ops.delete_exchange(&cfg.level_name(k)).await?;
-    }
-    ops.delete_exchange(&cfg.deliver_exchange()).await?;
-    let parking = cfg.unroutable_name();
-    // Last, the exchange that leads to the parking queue: every exchange naming it as its
-    // alternate is gone, so nothing can reach the queue when it is counted again.
-    ops.delete_exchange(&parking).await?;
-    ops.delete_exchange(&cfg.settings_name()).await?;
-    tokio::time::sleep(IN_FLIGHT).await;
-    let result = match ops.count(&parking).await? {
-        Some(n) if n > 0 => Err(Refusal {
-            non_empty: vec![QueueCount {
-                queue: parking,
-                messages: n,
-            }],
-            already_deleted: deleted,
-        }),
-        Some(_) => {
-            ops.delete_queue(&parking).await?;
-            Ok(Vec::new())
-        }
-        None => Ok(Vec::new()),
-    };
-    ops.close().await;
-    Ok(result)
-}
-
-/// One channel for a series of operations, opened again after an error closed it (a 404 closes
-/// the channel it happened on).
-struct Ops<'a> {
-    conn: &'a Connection,
-    channel: Option<Channel>,
-}
-
-impl<'a> Ops<'a> {
-    fn new(conn: &'a Connection) -> Self {
-        Self {
-            conn,
-            channel: None,
-        }
-    }
-
-    async fn channel(&mut self) -> anyhow::Result<Channel> {
-        match &self.channel {
-            Some(ch) if ch.status().connected() => Ok(ch.clone()),
-            _ => {
-                let ch = self
-                    .conn
-                    .create_channel()
-                    .await
-                    .context("cannot open a channel")?;
-                self.channel = Some(ch.clone());
-                Ok(ch)
-            }
-        }
-    }
-
-    /// `Ok(None)` for a 404 (the channel is then reopened by the next operation).
-    fn missing_ok<T>(&mut self, r: lapin::Result<T>) -> lapin::Result<Option<T>> {
-        match r {
-            Ok(v) => Ok(Some(v)),
-            Err(e) => {
-                self.channel = None;
-                if redeliver_amqp::is_not_found(&e) {
-                    Ok(None)
-                } else {
-                    Err(e)
-                }
-            }
-        }
-    }
-
-    /// Ready messages of `queue` (a passive declare), `None` when it does not exist.
-    async fn count(&mut self, queue: &str) -> anyhow::Result<Option<u32>> {
-        let ch = self.channel().await?;
-        let r = ch
-            .queue_declare(
-                queue.into(),
-                QueueDeclareOptions {
-                    passive: true,
-                    ..QueueDeclareOptions::default()
-                },
-                FieldTable::default(),
-            )
-            .await;
-        Ok(self
-            .missing_ok(r)
-            .with_context(|| format!("cannot inspect queue '{queue}'"))?
-            .map(|q| q.message_count()))
-    }
-
-    /// Deletes `queue` with its messages; how many it held, `None` when it did not exist.
-    async fn delete_queue(&mut self, queue: &str) -> anyhow::Result<Option<u32>> {
-        let ch = self.channel().await?;
-        let r = ch
-            .queue_delete(queue.into(), QueueDeleteOptions::default())
-            .await;
-        self.missing_ok(r)
-            .with_context(|| format!("cannot delete queue '{queue}'"))
-    }
-
-    async fn delete_exchange(&mut self, exchange: &str) -> anyhow::Result<()> {
-        let ch = self.channel().await?;
-        let r = ch
-            .exchange_delete(exchange.into(), ExchangeDeleteOptions::default())
-            .await;
-        self.missing_ok(r)
-            .with_context(|| format!("cannot delete exchange '{exchange}'"))?;
-        Ok(())
-    }
-
-    /// Removes a binding; a missing queue or exchange means there is none to remove.
-    async fn unbind(&mut self, queue: &str, exchange: &str, key: &str) -> anyhow::Result<()> {
-        let ch = self.channel().await?;
-        let r = ch
-            .queue_unbind(
-                queue.into(),
-                exchange.into(),
-                key.into(),
-                FieldTable::default(),
-            )
-            .await;
-        self.missing_ok(r)
-            .with_context(|| format!("cannot unbind queue '{queue}' from exchange '{exchange}'"))?;
-        Ok(())
-    }
-
-    async fn bind(&mut self, queue: &str, exchange: &str, key: &str) -> anyhow::Result<()> {
-        let ch = self.channel().await?;
-        let r = ch
-            .queue_bind(
-                queue.into(),
-                exchange.into(),
-                key.into(),
-                QueueBindOptions::default(),
-                FieldTable::default(),
-            )
-            .await;
-        if let Err(e) = r {
-            self.channel = None;
-            return Err(anyhow::Error::new(e));
-        }
-        Ok(())
-    }
-
-    async fn close(mut self) {
-        if let Some(ch) = self.channel.take() {
-            if ch.status().connected() {
-                // Best effort: the work is done either way and the connection closes soon.
-                let _ = ch.close(200, "ok".into()).await;
-            }
-        }
-    }
-}
-
 /// One row of `topology show`.
 #[derive(Debug, Serialize)]
 pub(crate) struct ObjectRow {
@@ -646,25 +384,14 @@ async fn exchange_exists(conn: &Connection, name: &str) -> anyhow::Result<bool> 
         .create_channel()
         .await
         .context("cannot open a channel")?;
-    let res = ch
-        .exchange_declare(
-            name.into(),
-            ExchangeKind::Direct,
-            ExchangeDeclareOptions {
-                passive: true,
-                ..ExchangeDeclareOptions::default()
-            },
-            FieldTable::default(),
-        )
-        .await;
-    match res {
-        Ok(()) => {
-            let _ = ch.close(200, "ok".into()).await;
-            Ok(true)
-        }
-        Err(e) if redeliver_amqp::is_not_found(&e) => Ok(false),
-        Err(e) => Err(e).with_context(|| format!("cannot inspect exchange '{name}'")),
+    let exists = redeliver_amqp::passive_exchange(&ch, name)
+        .await
+        .with_context(|| format!("cannot inspect exchange '{name}'"))?;
+    if exists {
+        // Best effort: the channel is done either way and the connection closes soon.
+        let _ = ch.close(200, "ok".into()).await;
     }
+    Ok(exists)
 }
 
 async fn queue_row(

@@ -21,25 +21,13 @@ use redeliver_worker::{
 /// Whether exchange `name` exists (passive declare on a throwaway channel: a 404 closes it).
 async fn exchange_exists(conn: &lapin::Connection, name: &str) -> bool {
     let ch = conn.create_channel().await.expect("channel");
-    let res = ch
-        .exchange_declare(
-            name.into(),
-            lapin::ExchangeKind::Direct,
-            lapin::options::ExchangeDeclareOptions {
-                passive: true,
-                ..Default::default()
-            },
-            lapin::types::FieldTable::default(),
-        )
-        .await;
-    match res {
-        Ok(()) => {
-            let _ = ch.close(200, "ok".into()).await;
-            true
-        }
-        Err(e) if redeliver_amqp::is_not_found(&e) => false,
-        Err(e) => panic!("cannot inspect exchange {name}: {e}"),
+    let exists = redeliver_amqp::passive_exchange(&ch, name)
+        .await
+        .unwrap_or_else(|e| panic!("cannot inspect exchange {name}: {e}"));
+    if exists {
+        let _ = ch.close(200, "ok".into()).await;
     }
+    exists
 }
 
 async fn dead_letter_after_redeclare(test: &str, mode: DeadLetterMode) {

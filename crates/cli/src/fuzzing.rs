@@ -1,4 +1,5 @@
-//! The CLI's message summary and rendering, called as its commands call them.
+//! Entry points for the fuzz targets in `fuzz/` (not a stable API): the CLI's message summary
+//! and rendering, called as its commands call them. The modules they reach stay private.
 
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
