@@ -250,35 +250,24 @@ impl WorkerBuilder {
         }
         let handler = self.handler.ok_or(SettingError::NoHandler)?;
         settings.check_simple()?;
-        let concurrency = settings.concurrency;
-        let prefetch = settings
-            .prefetch
-            .unwrap_or_else(|| u16::try_from(concurrency.saturating_mul(2)).unwrap_or(u16::MAX));
+        self.status.set_queue(queue.clone());
+        let resolved = Resolved {
+            settings,
+            urls,
+            topology,
+            queue: Arc::from(queue),
+            handler,
+        };
+        let (prefetch, concurrency) = (resolved.prefetch(), resolved.settings.concurrency);
         if usize::from(prefetch) < concurrency {
             warn!(
-                queue = %queue,
+                queue = %resolved.queue,
                 prefetch,
                 concurrency,
                 "prefetch below concurrency: at most `prefetch` handlers will run at once"
             );
         }
-        self.status.set_queue(queue.clone());
-        let connection_name = settings
-            .connection_name
-            .clone()
-            .unwrap_or_else(|| format!("redeliver-worker:{queue}"));
-        Ok(Worker::new(
-            Resolved {
-                settings,
-                urls,
-                topology,
-                queue,
-                prefetch,
-                connection_name,
-                handler,
-            },
-            self.status,
-        ))
+        Ok(Worker::new(resolved, self.status))
     }
 
     /// [`build`](Self::build), then [`Worker::run`].

@@ -469,17 +469,37 @@ impl fmt::Debug for Settings {
     }
 }
 
-/// What [`WorkerBuilder::build`](crate::WorkerBuilder::build) made of the settings: URLs parsed,
-/// the final topology, the resolved defaults. Shared by the worker's sessions and deliveries.
+/// What [`WorkerBuilder::build`](crate::WorkerBuilder::build) made of the settings: the settings
+/// themselves, and only what is derived from them (URLs parsed, the final topology and its
+/// queue's name) or is not a setting (the handler). Shared by the worker's sessions and
+/// deliveries; defaults that depend on other settings are methods, not copies.
 pub(crate) struct Resolved {
     pub(crate) settings: Settings,
     /// The first URL, then the failover URLs; never empty.
     pub(crate) urls: Vec<BrokerUrl>,
     pub(crate) topology: Topology,
-    pub(crate) queue: String,
-    pub(crate) prefetch: u16,
-    pub(crate) connection_name: String,
+    /// The topology's full queue name (prefix included), computed once and shared by the
+    /// sessions' rules and every delivery's context.
+    pub(crate) queue: Arc<str>,
     pub(crate) handler: Arc<dyn ErasedHandler>,
+}
+
+impl Resolved {
+    /// [`Settings::prefetch`], or its default: twice the concurrency, at most 65535.
+    pub(crate) fn prefetch(&self) -> u16 {
+        let concurrency = self.settings.concurrency;
+        self.settings
+            .prefetch
+            .unwrap_or_else(|| u16::try_from(concurrency.saturating_mul(2)).unwrap_or(u16::MAX))
+    }
+
+    /// [`Settings::connection_name`], or its default `redeliver-worker:<queue>`.
+    pub(crate) fn connection_name(&self) -> String {
+        match &self.settings.connection_name {
+            Some(name) => name.clone(),
+            None => format!("redeliver-worker:{}", self.queue),
+        }
+    }
 }
 
 #[cfg(test)]
