@@ -433,10 +433,10 @@ impl RetryPolicy {
 }
 
 impl Default for RetryPolicy {
-    /// [`RetryPolicy::exponential`] from 100 ms: 100 ms, 200 ms, … capped at 60 s, full jitter,
-    /// 5 retries.
+    /// [`RetryPolicy::exponential`] from 1 s: 1 s, 2 s, 4 s, … capped at 60 s, full jitter,
+    /// 5 retries. The worker's default policy.
     fn default() -> Self {
-        Self::exponential(Duration::from_millis(100))
+        Self::exponential(Duration::from_secs(1))
     }
 }
 
@@ -585,7 +585,7 @@ mod tests {
             3
         );
         assert_eq!(RetryPolicy::none().configured_max_retries(), 0);
-        assert_eq!(RetryPolicy::default().backoff().base(), ms(100));
+        assert_eq!(RetryPolicy::default().backoff().base(), secs(1));
         let c = RetryPolicy::celery();
         assert_eq!(c.configured_max_retries(), 3);
         assert_eq!(c.configured_jitter(), Jitter::Full);

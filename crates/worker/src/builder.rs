@@ -2,7 +2,6 @@
 
 use std::future::Future;
 use std::sync::Arc;
-use std::time::Duration;
 
 use redeliver_amqp::url::BrokerUrl;
 use redeliver_amqp::DelayConfig;
@@ -14,9 +13,8 @@ use tracing::warn;
 
 use crate::error::{SettingError, WorkerError};
 use crate::handler::{Erased, ErasedHandler, FromDelivery, Handler};
-use crate::permits::Permits;
 use crate::runtime::Worker;
-use crate::settings::{DeadLetterMode, Resolved, Settings};
+use crate::settings::{Resolved, Settings};
 use crate::status::{StatusSender, WorkerStatus};
 
 type TopologyMap = Box<dyn FnOnce(Topology) -> Topology + Send>;
@@ -29,26 +27,9 @@ type TopologyMap = Box<dyn FnOnce(Topology) -> Topology + Send>;
 ///
 /// # Defaults
 ///
-/// | setting | default |
-/// |---|---|
-/// | [`failover_urls`](Self::failover_urls) | none |
-/// | [`topology`](Self::topology) | [`Topology::new`] of the queue: quorum queue, `Q.dlx`, `Q.dlq`, delivery limit 20 |
-/// | [`prefix`](Self::prefix) | none |
-/// | [`delay`](Self::delay) | the topology's ([`DelayConfig::default`] with the topology's prefix) |
-/// | [`policy`](Self::policy) | `RetryPolicy::exponential(1 s)` with the policy's own defaults (see [`RetryPolicy`]) |
-/// | [`prefetch`](Self::prefetch) | twice the concurrency, at most 65535 |
-/// | [`concurrency`](Self::concurrency) | 10 |
-/// | [`verify_only`](Self::verify_only) | false: declare the topology |
-/// | [`handler_timeout`](Self::handler_timeout) | none |
-/// | [`shutdown_grace`](Self::shutdown_grace) | 25 s (below Kubernetes' 30 s `terminationGracePeriodSeconds`) |
-/// | [`connection_name`](Self::connection_name) | `redeliver-worker:<queue>` |
-/// | [`reconnect_backoff`](Self::reconnect_backoff) | exponential 100 ms × 2 up to 30 s, full jitter |
-/// | [`requeue_limit`](Self::requeue_limit) | 10 requeues, each after a 1 s pause |
-/// | [`max_message_size`](Self::max_message_size) | the broker version's default `max_message_size` (16 MiB from RabbitMQ 4.0, 128 MiB before) |
-/// | [`confirm_timeout`](Self::confirm_timeout) | 30 s |
-/// | [`topology_check_interval`](Self::topology_check_interval) | 30 s |
-/// | [`dead_letter_mode`](Self::dead_letter_mode) | [`DeadLetterMode::Reject`] |
-/// | [`tls`](Self::tls) | the system's root certificates, password login |
+/// Every setting, its default and its environment variable (the hand-written rows first):
+///
+#[doc = crate::settings::builder_table!()]
 ///
 /// The environment layer ([`env`](crate::env)) writes into the same settings; read them back
 /// with [`settings`](Self::settings).
@@ -124,14 +105,6 @@ impl WorkerBuilder {
         self
     }
 
-    /// The queue to consume, with the default topology (quorum queue, `Q.dlx`, `Q.dlq`,
-    /// delivery limit 20, see [`Topology`]). Refine it with [`map_topology`](Self::map_topology),
-    /// or pass a whole [`Topology`] with [`topology`](Self::topology) instead.
-    pub fn queue(mut self, name: impl Into<String>) -> Self {
-        self.settings.queue = Some(name.into());
-        self
-    }
-
     /// The full topology (queue, type, delivery limit, DLQ options, bindings, prefix, delay
     /// configuration). Replaces [`queue`](Self::queue).
     pub fn topology(mut self, topology: Topology) -> Self {
@@ -158,13 +131,6 @@ impl WorkerBuilder {
         self
     }
 
-    /// Name prefix for every object (queue, DLX, DLQ and, unless [`delay`](Self::delay) is
-    /// given, the delay levels). Applied before [`map_topology`](Self::map_topology)'s functions.
-    pub fn prefix(mut self, prefix: impl Into<String>) -> Self {
-        self.settings.prefix = Some(prefix.into());
-        self
-    }
-
     /// Delay infrastructure settings (granularity, levels, queue type, prefix).
     pub fn delay(mut self, cfg: DelayConfig) -> Self {
         self.settings.delay = Some(cfg);
@@ -174,20 +140,6 @@ impl WorkerBuilder {
     /// Retry policy: backoff, jitter, max retries, error classification, retry budget.
     pub fn policy(mut self, policy: RetryPolicy) -> Self {
         self.settings.policy = policy;
-        self
-    }
-
-    /// Per-consumer prefetch (`basic.qos`, `global = false`), applied on every channel the worker
-    /// opens. It is the only bound on messages buffered in memory. Must be at least
-    /// 1.
-    pub fn prefetch(mut self, n: u16) -> Self {
-        self.settings.prefetch = Some(n);
-        self
-    }
-
-    /// Handlers allowed to run at once. A prefetch below it caps concurrency.
-    pub fn concurrency(mut self, n: usize) -> Self {
-        self.settings.concurrency = n;
         self
     }
 
@@ -220,101 +172,12 @@ impl WorkerBuilder {
         self
     }
 
-    /// Only verify (passively) that the topology exists instead of declaring it, for
-    /// deployments where an operator or the CLI owns the topology.
-    pub fn verify_only(mut self, yes: bool) -> Self {
-        self.settings.verify_only = yes;
-        self
-    }
-
-    /// Per-message handler time limit; a handler that exceeds it is dropped and the message
-    /// retried as a transient failure.
-    ///
-    /// Keep it well below the broker's `consumer_timeout` (30 min by default): a delivery held
-    /// longer than that makes the broker close the channel, and every in-flight message of that
-    /// channel is redelivered.
-    pub fn handler_timeout(mut self, d: Duration) -> Self {
-        self.settings.handler_timeout = Some(d);
-        self
-    }
-
-    /// How long shutdown waits for in-flight handlers before dropping them (their messages go
-    /// back to the queue when the channel closes).
-    pub fn shutdown_grace(mut self, d: Duration) -> Self {
-        self.settings.shutdown_grace = d;
-        self
-    }
-
-    /// Connection name shown in the management UI (client property `connection_name`).
-    pub fn connection_name(mut self, name: impl Into<String>) -> Self {
-        self.settings.connection_name = Some(name.into());
-        self
-    }
-
     /// Pacing of reconnect attempts: the pause after a lost session, or after a round of URLs
     /// that all failed, is the next of [`Backoff::delays`]; it starts over from the first once a
     /// session consumes again.
     pub fn reconnect_backoff(mut self, backoff: Backoff, jitter: Jitter) -> Self {
         self.settings.reconnect_backoff = backoff;
         self.settings.reconnect_jitter = jitter;
-        self
-    }
-
-    /// How often the worker itself gives one message back to its queue, because the broker did
-    /// not confirm the copy that would have replaced it (a retry copy, a repaired copy), before
-    /// it dead-letters the message instead (reason `requeue_limit`). Each requeue waits 1 s.
-    ///
-    /// Before RabbitMQ 4.3 a quorum queue counted these requeues toward its delivery limit; from
-    /// 4.3 it does not, and a classic queue never did, so without this bound a copy that can
-    /// never be confirmed would cycle forever.
-    pub fn requeue_limit(mut self, n: u32) -> Self {
-        self.settings.requeue_limit = n;
-        self
-    }
-
-    /// Largest body the worker publishes (retry and repaired copies); a larger copy is refused
-    /// before it reaches the broker, and its original dead-lettered with reason `too_large`.
-    /// Set it when the broker's `max_message_size` is not its version's default.
-    pub fn max_message_size(mut self, bytes: usize) -> Self {
-        self.settings.max_message_size = Some(bytes);
-        self
-    }
-
-    /// How long the worker waits for the broker to confirm a copy it publishes (a retry copy, a
-    /// repaired copy, an annotated dead letter), and for the broker to unblock its publishing
-    /// connection during a resource alarm, before it gives the original back to the queue (as
-    /// when the copy is refused). Copies go out on a connection of their own, so a blocked
-    /// publish never holds up the acks of successful deliveries. Requeues while the broker
-    /// blocks the connection do not count toward the [`requeue_limit`](Self::requeue_limit):
-    /// an alarm is not the message's fault.
-    pub fn confirm_timeout(mut self, d: Duration) -> Self {
-        self.settings.confirm_timeout = d;
-        self
-    }
-
-    /// How often the running worker checks that its topology still exists (`Q.dlx`, `Q.dlq`,
-    /// `Q`, and the delay infrastructure: its levels and the parking queue of retries whose queue
-    /// is gone), declares again what was deleted (unless [`verify_only`](Self::verify_only)),
-    /// and measures the parking queue (metric `redeliver_delay_unroutable_messages`). Without the
-    /// parking queue, such a retry would be dropped; without `Q.dlx`, the broker drops (classic
-    /// `Q`) or holds (quorum `Q`) dead letters, silently. The interval bounds that window.
-    pub fn topology_check_interval(mut self, d: Duration) -> Self {
-        self.settings.topology_check_interval = d;
-        self
-    }
-
-    /// How messages that cannot succeed reach `Q.dlq`; see the modes' trade-offs on
-    /// [`DeadLetterMode`].
-    ///
-    /// ```
-    /// use redeliver_worker::{DeadLetterMode, Worker};
-    /// let builder = Worker::builder("amqp://127.0.0.1:5672/%2f")
-    ///     .queue("images")
-    ///     .dead_letter_mode(DeadLetterMode::Annotate);
-    /// # let _ = builder;
-    /// ```
-    pub fn dead_letter_mode(mut self, mode: DeadLetterMode) -> Self {
-        self.settings.dead_letter_mode = mode;
         self
     }
 
@@ -386,54 +249,25 @@ impl WorkerBuilder {
             return Err(SettingError::ForwardToItself(queue).into());
         }
         let handler = self.handler.ok_or(SettingError::NoHandler)?;
-        let concurrency = settings.concurrency;
-        if concurrency == 0 || concurrency > Permits::MAX {
-            return Err(SettingError::Concurrency {
-                got: concurrency,
-                max: Permits::MAX,
-            }
-            .into());
-        }
-        for (name, d) in [
-            ("confirm_timeout", settings.confirm_timeout),
-            ("topology_check_interval", settings.topology_check_interval),
-        ] {
-            if d.is_zero() {
-                return Err(SettingError::Zero(name).into());
-            }
-        }
-        let prefetch = settings
-            .prefetch
-            .unwrap_or_else(|| u16::try_from(concurrency.saturating_mul(2)).unwrap_or(u16::MAX));
-        if prefetch == 0 {
-            // 0 means "unlimited" to the broker, and lapin buffers deliveries without bound.
-            return Err(SettingError::Prefetch.into());
-        }
+        settings.check_simple()?;
+        self.status.set_queue(queue.clone());
+        let resolved = Resolved {
+            settings,
+            urls,
+            topology,
+            queue: Arc::from(queue),
+            handler,
+        };
+        let (prefetch, concurrency) = (resolved.prefetch(), resolved.settings.concurrency);
         if usize::from(prefetch) < concurrency {
             warn!(
-                queue = %queue,
+                queue = %resolved.queue,
                 prefetch,
                 concurrency,
                 "prefetch below concurrency: at most `prefetch` handlers will run at once"
             );
         }
-        self.status.set_queue(queue.clone());
-        let connection_name = settings
-            .connection_name
-            .clone()
-            .unwrap_or_else(|| format!("redeliver-worker:{queue}"));
-        Ok(Worker::new(
-            Resolved {
-                settings,
-                urls,
-                topology,
-                queue,
-                prefetch,
-                connection_name,
-                handler,
-            },
-            self.status,
-        ))
+        Ok(Worker::new(resolved, self.status))
     }
 
     /// [`build`](Self::build), then [`Worker::run`].

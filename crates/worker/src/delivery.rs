@@ -39,7 +39,7 @@ impl<L> Deliveries<L> {
         Self {
             link,
             meters,
-            queue: Arc::from(rules.queue.as_str()),
+            queue: Arc::clone(&rules.queue),
             rules,
         }
     }

@@ -1,30 +1,7 @@
 //! The environment layer, for containers: the variables below write into a
 //! [`WorkerBuilder`]'s [`Settings`](crate::Settings), the same ones its methods set.
 //!
-//! | variable | builder method / use | format |
-//! |---|---|---|
-//! | `AMQP_URL` | the URL of [`Worker::builder`](crate::Worker::builder), then [`failover_urls`](WorkerBuilder::failover_urls) | `amqp://user:pass@host:5672/vhost` (vhost `/` is `%2f`); several separated by `;` (as Celery's `broker_url`), all `amqps://` or all `amqp://` (a mix is refused: a blocked TLS node would make the next one get the password in clear text); a `;` in a password is written `%3B` |
-//! | `AMQP_URL_FILE` | instead of `AMQP_URL`: a file holding it (a Kubernetes secret mounted as a file) | path |
-//! | `AMQP_PASSWORD_FILE` | the password of every URL, from a file (the URL then carries none, but names its user: without one it is an error, not a login as `guest`) | path |
-//! | `REDELIVER_TLS_CA_FILE` | [`tls`](WorkerBuilder::tls): [`TlsConfig::ca_file`](crate::TlsConfig::ca_file) | PEM file of CA certificates, trusted next to the system's |
-//! | `REDELIVER_TLS_CERT_FILE`, `REDELIVER_TLS_KEY_FILE` | [`TlsConfig::client_cert`](crate::TlsConfig::client_cert) (mutual TLS; both or neither) | PEM files |
-//! | `REDELIVER_TLS_SASL_EXTERNAL` | [`TlsConfig::sasl_external`](crate::TlsConfig::sasl_external) | `true`/`false` |
-//! | `REDELIVER_QUEUE` | [`queue`](WorkerBuilder::queue) | queue name |
-//! | `REDELIVER_PREFIX` | [`prefix`](WorkerBuilder::prefix) | name prefix of every object |
-//! | `REDELIVER_PREFETCH` | [`prefetch`](WorkerBuilder::prefetch) | integer 1..=65535 |
-//! | `REDELIVER_CONCURRENCY` | [`concurrency`](WorkerBuilder::concurrency) | integer ≥ 1 |
-//! | `REDELIVER_GRACE_PERIOD` | [`shutdown_grace`](WorkerBuilder::shutdown_grace) | a duration: `25s`, `500ms`, `1m 30s` |
-//! | `REDELIVER_HANDLER_TIMEOUT` | [`handler_timeout`](WorkerBuilder::handler_timeout) | a duration; `0s` = none |
-//! | `REDELIVER_CONFIRM_TIMEOUT` | [`confirm_timeout`](WorkerBuilder::confirm_timeout) | a duration |
-//! | `REDELIVER_VERIFY_ONLY` | [`verify_only`](WorkerBuilder::verify_only) | `true`/`false` (`1`/`0`, `yes`/`no`) |
-//! | `REDELIVER_DEAD_LETTER_MODE` | [`dead_letter_mode`](WorkerBuilder::dead_letter_mode) | `reject` or `annotate` ([`DeadLetterMode`](crate::DeadLetterMode)) |
-//! | `REDELIVER_CONNECTION_NAME` | [`connection_name`](WorkerBuilder::connection_name) | text |
-//! | `REDELIVER_MAX_RETRIES` | the [`policy`](WorkerBuilder::policy)'s [`max_retries`](crate::RetryPolicy::max_retries) | integer |
-//! | `REDELIVER_RETRY_BASE` | the policy's [`base`](crate::RetryPolicy::base) | a duration |
-//! | `REDELIVER_RETRY_CAP` | the policy's [`cap`](crate::RetryPolicy::cap) | a duration |
-//! | `REDELIVER_HEALTH_ADDR` | [`ServiceSettings::health_addr`]: the health server's address | `0.0.0.0:8080`, `[::1]:8080`, or a bare port `8080` (every IPv4 and IPv6 address); unset: no server |
-//! | `REDELIVER_LOG_FORMAT` | [`ServiceSettings::log_format`] | `json` or `pretty` (default) |
-//! | `RUST_LOG` | [`ServiceSettings::log_filter`] | `tracing` filter directives (default `info`) |
+#![doc = crate::settings::env_table!()]
 //!
 //! A variable that is not set leaves the setting as the code (or the default, see
 //! [`WorkerBuilder`'s defaults](WorkerBuilder#defaults)) had it. An empty variable counts as
@@ -58,7 +35,7 @@ use redeliver_core::RetryPolicy;
 
 use crate::{Worker, WorkerBuilder};
 
-mod read;
+pub(crate) mod read;
 mod service;
 
 pub use crate::error::EnvError;
@@ -79,28 +56,8 @@ pub const TLS_CERT_FILE: &str = "REDELIVER_TLS_CERT_FILE";
 pub const TLS_KEY_FILE: &str = "REDELIVER_TLS_KEY_FILE";
 /// `REDELIVER_TLS_SASL_EXTERNAL`: log in with the client certificate (SASL EXTERNAL).
 pub const TLS_SASL_EXTERNAL: &str = "REDELIVER_TLS_SASL_EXTERNAL";
-/// `REDELIVER_DEAD_LETTER_MODE`: `reject` (default) or `annotate`.
-pub const DEAD_LETTER_MODE: &str = "REDELIVER_DEAD_LETTER_MODE";
-/// `REDELIVER_QUEUE`: the queue to consume.
-pub const QUEUE: &str = "REDELIVER_QUEUE";
-/// `REDELIVER_PREFIX`: prefix of every object's name.
-pub const PREFIX: &str = "REDELIVER_PREFIX";
-/// `REDELIVER_PREFETCH`: per-consumer prefetch.
-pub const PREFETCH: &str = "REDELIVER_PREFETCH";
-/// `REDELIVER_CONCURRENCY`: handlers running at once.
-pub const CONCURRENCY: &str = "REDELIVER_CONCURRENCY";
-/// `REDELIVER_GRACE_PERIOD`: shutdown grace period.
-pub const GRACE_PERIOD: &str = "REDELIVER_GRACE_PERIOD";
-/// `REDELIVER_HANDLER_TIMEOUT`: per-message handler time limit.
-pub const HANDLER_TIMEOUT: &str = "REDELIVER_HANDLER_TIMEOUT";
-/// `REDELIVER_VERIFY_ONLY`: verify the topology instead of declaring it.
-pub const VERIFY_ONLY: &str = "REDELIVER_VERIFY_ONLY";
-/// `REDELIVER_CONNECTION_NAME`: connection name shown in the management UI.
-pub const CONNECTION_NAME: &str = "REDELIVER_CONNECTION_NAME";
 /// `REDELIVER_MAX_RETRIES`: retries per message before dead-lettering.
 pub const MAX_RETRIES: &str = "REDELIVER_MAX_RETRIES";
-/// `REDELIVER_CONFIRM_TIMEOUT`: longest wait for a copy's confirm.
-pub const CONFIRM_TIMEOUT: &str = "REDELIVER_CONFIRM_TIMEOUT";
 /// `REDELIVER_RETRY_BASE`: first backoff delay.
 pub const RETRY_BASE: &str = "REDELIVER_RETRY_BASE";
 /// `REDELIVER_RETRY_CAP`: largest backoff delay.
@@ -112,8 +69,10 @@ pub const LOG_FORMAT: &str = "REDELIVER_LOG_FORMAT";
 /// `RUST_LOG`: log filter.
 pub const RUST_LOG: &str = "RUST_LOG";
 
-/// Every variable this module reads.
-pub const VARIABLES: &[&str] = &[
+pub use crate::settings::vars::*;
+
+/// The variables of the hand-written settings, read before the simple ones.
+const FIRST: &[&str] = &[
     AMQP_URL,
     AMQP_URL_FILE,
     AMQP_PASSWORD_FILE,
@@ -121,16 +80,9 @@ pub const VARIABLES: &[&str] = &[
     TLS_CERT_FILE,
     TLS_KEY_FILE,
     TLS_SASL_EXTERNAL,
-    DEAD_LETTER_MODE,
-    QUEUE,
-    PREFIX,
-    PREFETCH,
-    CONCURRENCY,
-    GRACE_PERIOD,
-    HANDLER_TIMEOUT,
-    CONFIRM_TIMEOUT,
-    VERIFY_ONLY,
-    CONNECTION_NAME,
+];
+/// The variables amending the policy, and the process's.
+const LAST: &[&str] = &[
     MAX_RETRIES,
     RETRY_BASE,
     RETRY_CAP,
@@ -138,6 +90,28 @@ pub const VARIABLES: &[&str] = &[
     LOG_FORMAT,
     RUST_LOG,
 ];
+const COUNT: usize = FIRST.len() + SIMPLE_VARIABLES.len() + LAST.len();
+const ALL: [&str; COUNT] = join([FIRST, SIMPLE_VARIABLES, LAST]);
+
+/// `parts` one after the other (a `const` cannot concatenate slices otherwise).
+const fn join<const N: usize>(parts: [&[&'static str]; 3]) -> [&'static str; N] {
+    let mut all = [""; N];
+    let mut i = 0;
+    let mut p = 0;
+    while p < parts.len() {
+        let mut j = 0;
+        while j < parts[p].len() {
+            all[i] = parts[p][j];
+            i += 1;
+            j += 1;
+        }
+        p += 1;
+    }
+    all
+}
+
+/// Every variable this module reads, in the order of the table above.
+pub const VARIABLES: &[&str] = &ALL;
 
 /// Variables of earlier versions, refused when set (with the one to use instead), so that a
 /// manifest written for them does not silently run with defaults.
@@ -298,30 +272,6 @@ impl WorkerBuilder {
         if tls_set {
             s.tls = tls;
         }
-        if let Some(mode) = parse(DEAD_LETTER_MODE, var(DEAD_LETTER_MODE)?, |v| v.parse())? {
-            s.dead_letter_mode = mode;
-        }
-        if let Some(q) = var(QUEUE)? {
-            s.queue = Some(q.trim().to_owned());
-        }
-        // Not trimmed: a prefix is taken literally (it may end with a separator like `-`).
-        if let Some(p) = var(PREFIX)? {
-            s.prefix = Some(p);
-        }
-        if let Some(n) = parse(PREFETCH, var(PREFETCH)?, |v| match v.parse::<u16>() {
-            Ok(0) | Err(_) => Err("expected an integer from 1 to 65535".to_owned()),
-            Ok(n) => Ok(n),
-        })? {
-            s.prefetch = Some(n);
-        }
-        if let Some(n) = parse(CONCURRENCY, var(CONCURRENCY)?, |v| {
-            match v.parse::<usize>() {
-                Ok(0) | Err(_) => Err("expected an integer of at least 1".to_owned()),
-                Ok(n) => Ok(n),
-            }
-        })? {
-            s.concurrency = n;
-        }
         for (old, new) in REPLACED {
             if let Some(v) = var(old)? {
                 return Err(EnvError::new(
@@ -331,25 +281,7 @@ impl WorkerBuilder {
                 ));
             }
         }
-        if let Some(d) = parse(GRACE_PERIOD, var(GRACE_PERIOD)?, duration)? {
-            s.shutdown_grace = d;
-        }
-        if let Some(d) = parse(HANDLER_TIMEOUT, var(HANDLER_TIMEOUT)?, duration)? {
-            s.handler_timeout = (!d.is_zero()).then_some(d);
-        }
-        let positive = |v: &str| match duration(v)? {
-            d if d.is_zero() => Err("expected a positive duration, like 30s".to_owned()),
-            d => Ok(d),
-        };
-        if let Some(d) = parse(CONFIRM_TIMEOUT, var(CONFIRM_TIMEOUT)?, positive)? {
-            s.confirm_timeout = d;
-        }
-        if let Some(v) = parse(VERIFY_ONLY, var(VERIFY_ONLY)?, boolean)? {
-            s.verify_only = v;
-        }
-        if let Some(n) = var(CONNECTION_NAME)? {
-            s.connection_name = Some(n.trim().to_owned());
-        }
+        s.read_simple_env(&var)?;
         if let Some(n) = parse(MAX_RETRIES, var(MAX_RETRIES)?, |v| {
             v.parse::<u32>()
                 .map_err(|_| "expected a non-negative integer".to_owned())

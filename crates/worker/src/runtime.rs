@@ -54,7 +54,7 @@ impl std::fmt::Debug for Worker {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Worker")
             .field("queue", &self.config.queue)
-            .field("prefetch", &self.config.prefetch)
+            .field("prefetch", &self.config.prefetch())
             .field("concurrency", &self.config.settings.concurrency)
             .field("state", &self.status.handle().state())
             .finish_non_exhaustive()
@@ -175,13 +175,13 @@ async fn reconnect_loop(
             Ok(Ok(session)) => {
                 if ever_consumed {
                     info!(queue = %config.queue, broker = %url, after_failed_rounds = failed_rounds, "connection recovered; consuming again");
-                    metrics::counter!(metrics_names::RECONNECTS, metrics_names::LABEL_QUEUE => config.queue.clone())
+                    metrics::counter!(metrics_names::RECONNECTS, metrics_names::LABEL_QUEUE => Arc::clone(&config.queue))
                         .increment(1);
                 } else {
                     info!(
                         queue = %config.queue,
                         broker = %url,
-                        prefetch = config.prefetch,
+                        prefetch = config.prefetch(),
                         concurrency = config.settings.concurrency,
                         "consuming"
                     );

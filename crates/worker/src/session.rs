@@ -66,8 +66,8 @@ impl Session {
         url: &BrokerUrl,
     ) -> Result<Session, WorkerError> {
         let config = &worker.config;
-        let props = ConnectionProperties::default()
-            .with_connection_name(config.connection_name.clone().into());
+        let props =
+            ConnectionProperties::default().with_connection_name(config.connection_name().into());
         // lapin's own recovery stays off: the runtime's reconnect loop owns reconnection. lapin
         // drops the broker's version, so a probe of our own reads it meanwhile.
         let tls = if url.is_tls() {
@@ -121,12 +121,12 @@ impl Session {
             .max_message_size
             .or_else(|| version.map(|v| v.default_max_message_size()));
         let rules = Rules {
-            queue: config.queue.clone(),
+            queue: Arc::clone(&config.queue),
             dlx: config.topology.dlx_name(),
             dlq: config.topology.dlq_name(),
             mode: settings.dead_letter_mode,
             requeue_limit: settings.requeue_limit,
-            connection_name: config.connection_name.clone(),
+            connection_name: config.connection_name(),
             max_delay: delay.max_delay(),
             username: connection.status().username(),
             // Unknown version: assume 3.x, whose dead-lettering crashes on such a header.
@@ -137,13 +137,13 @@ impl Session {
         // Per consumer, not global: global QoS is deprecated and refused from RabbitMQ 4.3. It is
         // applied on every channel we open, since nothing replays it for us.
         channel
-            .basic_qos(config.prefetch, BasicQosOptions { global: false })
+            .basic_qos(config.prefetch(), BasicQosOptions { global: false })
             .await?;
         let meters = Meters::new(&config.queue);
-        let acks = AckSender::spawn(channel.clone(), meters.clone(), config.prefetch);
+        let acks = AckSender::spawn(channel.clone(), meters.clone(), config.prefetch());
         let publishing = worker
             .publishing
-            .get(url, &settings.tls, &config.connection_name);
+            .get(url, &settings.tls, &rules.connection_name);
         let blocked = tokio::spawn(forward_blocked(
             publishing.blocked(),
             worker.blocked.clone(),
@@ -166,7 +166,7 @@ impl Session {
         let events = connection.events_listener().boxed();
         let consumer = channel
             .basic_consume(
-                config.queue.as_str().into(),
+                (*config.queue).into(),
                 CONSUMER_TAG.into(),
                 BasicConsumeOptions::default(),
                 FieldTable::default(),

@@ -1,5 +1,11 @@
 //! The worker's settings: one type, written by the builder's methods and by the environment
 //! layer ([`crate::env`]), read back through [`WorkerBuilder::settings`](crate::WorkerBuilder::settings).
+//!
+//! Every setting is declared once, in the [`settings!`] table at the end of this file: its field,
+//! type and default, its builder method and that method's documentation, its getter, its
+//! environment variable and parser, its check at `build()`, its `Debug` field and its rows in
+//! the settings tables of the rustdoc and the README. Adding a simple setting is one entry there,
+//! its rows pasted into the README (a test prints them), and the code that uses it.
 
 use std::fmt;
 use std::sync::Arc;
@@ -11,10 +17,10 @@ use redeliver_amqp::TlsConfig;
 use redeliver_amqp::Topology;
 use redeliver_core::{Backoff, Delays, Jitter, RetryPolicy};
 
+use crate::env::read;
+use crate::error::{EnvError, SettingError};
 use crate::handler::ErasedHandler;
-
-/// Default number of requeues of one message before the worker dead-letters it.
-const DEFAULT_REQUEUE_LIMIT: u32 = 10;
+use crate::permits::Permits;
 
 /// How the worker dead-letters a message that cannot succeed.
 ///
@@ -51,75 +57,352 @@ impl std::str::FromStr for DeadLetterMode {
     }
 }
 
-/// Everything a [`WorkerBuilder`](crate::WorkerBuilder) holds, as its methods and the
-/// environment set it. The defaults are listed once, on
-/// [`WorkerBuilder`](crate::WorkerBuilder#defaults).
+/// Declares the settings: `hand_written` fields (their methods, getters and `Debug` lines are
+/// written by hand: they are not plain values), then one entry per simple setting, and the
+/// hand-written rows of the two tables. From them it generates [`Settings`] with its defaults,
+/// its getters, its `Debug` fields and its checks; the [`WorkerBuilder`](crate::WorkerBuilder)
+/// methods; the environment variables' constants (`vars`) and reader; and the markdown tables
+/// `builder_table!()` and `env_table!()` for the rustdoc and the README.
 ///
+/// An entry:
+///
+/// ```text
+/// /// The builder method's documentation.
+/// KIND NAME(ARG[: TYPE]) [= DEFAULT],
+///     "meaning (one line, markdown, for the tables and the getter)", "default, in words"
+///     [, env CONSTANT = "VARIABLE", "format, in words", PARSER]
+///     [, check CHECK];
 /// ```
-/// use redeliver_worker::Worker;
-/// let builder = Worker::builder("amqp://127.0.0.1:5672/%2f").queue("images").prefetch(32);
-/// assert_eq!(builder.settings().queue(), Some("images"));
-/// assert_eq!(builder.settings().prefetch(), Some(32));
-/// assert_eq!(builder.settings().concurrency(), 10);
-/// ```
-#[derive(Clone)]
-pub struct Settings {
-    pub(crate) url: String,
-    pub(crate) failover_urls: Vec<String>,
-    pub(crate) queue: Option<String>,
-    pub(crate) topology: Option<Topology>,
-    pub(crate) prefix: Option<String>,
-    pub(crate) delay: Option<DelayConfig>,
-    pub(crate) policy: RetryPolicy,
-    pub(crate) prefetch: Option<u16>,
-    pub(crate) concurrency: usize,
-    pub(crate) verify_only: bool,
-    pub(crate) handler_timeout: Option<Duration>,
-    pub(crate) shutdown_grace: Duration,
-    pub(crate) connection_name: Option<String>,
-    pub(crate) reconnect_backoff: Backoff,
-    pub(crate) reconnect_jitter: Jitter,
-    pub(crate) requeue_limit: u32,
-    pub(crate) max_message_size: Option<usize>,
-    pub(crate) confirm_timeout: Duration,
-    pub(crate) topology_check_interval: Duration,
-    pub(crate) tls: TlsConfig,
-    pub(crate) dead_letter_mode: DeadLetterMode,
+///
+/// where `KIND` is `value` (a field of `TYPE`, its method takes a `TYPE`), `option` (an
+/// `Option<TYPE>`, `None` by default, its method sets `Some`) or `text` (an `Option<String>`,
+/// its method takes `impl Into<String>`); `PARSER` turns the variable's value (untrimmed) into
+/// the field's type; `CHECK` returns the [`SettingError`] `build()` refuses the field's value
+/// with. A setting holding a secret must not be simple: `Debug` prints simple values as they are.
+macro_rules! settings {
+    (
+        hand_written new($url:ident) {
+            $( $(#[$fattr:meta])* $field:ident: $fty:ty = $fdefault:expr, )*
+        }
+        hand_written_builder_rows: [$($builder_rows:literal),* $(,)?];
+        hand_written_env_rows_first: [$($env_first:literal),* $(,)?];
+        simple {
+            $(
+                $(#[doc = $doc:literal])*
+                $kind:ident $name:ident ($arg:ident $(: $argty:ty)?) $(= $default:expr)?,
+                $meaning:literal, $default_text:literal
+                $(, env $const:ident = $var:literal, $format:literal, $parser:path)?
+                $(, check $check:path)?;
+            )*
+        }
+        hand_written_env_rows_last: [$($env_last:literal),* $(,)?];
+    ) => {
+        /// Everything a [`WorkerBuilder`](crate::WorkerBuilder) holds, as its methods and the
+        /// environment set it. The defaults are listed once, on
+        /// [`WorkerBuilder`](crate::WorkerBuilder#defaults).
+        ///
+        /// ```
+        /// use redeliver_worker::Worker;
+        /// let builder = Worker::builder("amqp://127.0.0.1:5672/%2f").queue("images").prefetch(32);
+        /// assert_eq!(builder.settings().queue(), Some("images"));
+        /// assert_eq!(builder.settings().prefetch(), Some(32));
+        /// assert_eq!(builder.settings().concurrency(), 10);
+        /// ```
+        #[derive(Clone)]
+        pub struct Settings {
+            $( $(#[$fattr])* pub(crate) $field: $fty, )*
+            $( pub(crate) $name: settings!(@type $kind $($argty)?), )*
+        }
+
+        impl Settings {
+            pub(crate) fn new($url: String) -> Self {
+                Self {
+                    $( $field: $fdefault, )*
+                    $( $name: settings!(@default $kind $($default)?), )*
+                }
+            }
+
+            $(
+                #[doc = concat!(
+                    "[`", stringify!($name), "`](crate::WorkerBuilder::", stringify!($name), "): ",
+                    $meaning, ". Default: ", $default_text, "."
+                )]
+                pub fn $name(&self) -> settings!(@get_type $kind $($argty)?) {
+                    settings!(@get $kind self.$name)
+                }
+            )*
+
+            /// The simple settings' `Debug` fields (none of them is a secret).
+            fn debug_simple(&self, d: &mut fmt::DebugStruct<'_, '_>) {
+                $( d.field(stringify!($name), &self.$name); )*
+            }
+
+            /// The simple settings' checks, run by [`build`](crate::WorkerBuilder::build).
+            pub(crate) fn check_simple(&self) -> Result<(), SettingError> {
+                $( $( $check(stringify!($name), &self.$name)?; )? )*
+                Ok(())
+            }
+
+            /// Writes the simple settings' variables that are set.
+            pub(crate) fn read_simple_env(
+                &mut self,
+                var: &dyn Fn(&'static str) -> Result<Option<String>, EnvError>,
+            ) -> Result<(), EnvError> {
+                $( $(
+                    if let Some(v) = read::value(vars::$const, var(vars::$const)?, $parser)? {
+                        self.$name = v;
+                    }
+                )? )*
+                Ok(())
+            }
+        }
+
+        impl crate::WorkerBuilder {
+            $(
+                $(#[doc = $doc])*
+                pub fn $name(mut self, $arg: settings!(@arg_type $kind $($argty)?)) -> Self {
+                    self.settings_mut().$name = settings!(@set $kind $arg);
+                    self
+                }
+            )*
+        }
+
+        /// The environment variables of the simple settings, re-exported by [`crate::env`].
+        pub(crate) mod vars {
+            $( $(
+                #[doc = concat!(
+                    "`", $var, "`: [`", stringify!($name), "`](crate::WorkerBuilder::",
+                    stringify!($name), "), ", $meaning, "."
+                )]
+                pub const $const: &str = $var;
+            )? )*
+
+            /// Every variable above, in the table's order.
+            pub(crate) const SIMPLE_VARIABLES: &[&str] = &[$( $( $const, )? )*];
+        }
+
+        /// The settings table (markdown): one row per builder method, hand-written rows first.
+        macro_rules! builder_table {
+            () => {
+                concat!(
+                    "| method | meaning | default | environment |\n",
+                    "|---|---|---|---|\n",
+                    $( $builder_rows, )*
+                    $(
+                        "| `.", stringify!($name), "(", stringify!($arg), ")` | ", $meaning,
+                        " | ", $default_text, " |", $( " `", $var, "`", )? " |\n",
+                    )*
+                )
+            };
+        }
+        pub(crate) use builder_table;
+
+        /// The environment table (markdown): one row per variable.
+        macro_rules! env_table {
+            () => {
+                concat!(
+                    "| variable | method | meaning | format | default |\n",
+                    "|---|---|---|---|---|\n",
+                    $( $env_first, )*
+                    $( $(
+                        "| `", $var, "` | `.", stringify!($name), "(", stringify!($arg), ")` | ",
+                        $meaning, " | ", $format, " | ", $default_text, " |\n",
+                    )? )*
+                    $( $env_last, )*
+                )
+            };
+        }
+        pub(crate) use env_table;
+    };
+
+    (@type value $t:ty) => { $t };
+    (@type option $t:ty) => { Option<$t> };
+    (@type text) => { Option<String> };
+    (@default value $d:expr) => { $d };
+    (@default option) => { None };
+    (@default text) => { None };
+    (@arg_type value $t:ty) => { $t };
+    (@arg_type option $t:ty) => { $t };
+    (@arg_type text) => { impl Into<String> };
+    (@set value $a:ident) => { $a };
+    (@set option $a:ident) => { Some($a) };
+    (@set text $a:ident) => { Some($a.into()) };
+    (@get_type value $t:ty) => { $t };
+    (@get_type option $t:ty) => { Option<$t> };
+    (@get_type text) => { Option<&str> };
+    (@get value $v:expr) => { $v };
+    (@get option $v:expr) => { $v };
+    (@get text $v:expr) => { $v.as_deref() };
+}
+
+settings! {
+    hand_written new(url) {
+        url: String = url,
+        failover_urls: Vec<String> = Vec::new(),
+        topology: Option<Topology> = None,
+        delay: Option<DelayConfig> = None,
+        policy: RetryPolicy = RetryPolicy::default(),
+        reconnect_backoff: Backoff = Backoff::Exponential {
+            base: Duration::from_millis(100),
+            factor: 2.0,
+            cap: Duration::from_secs(30),
+        },
+        reconnect_jitter: Jitter = Jitter::Full,
+        tls: TlsConfig = TlsConfig::new(),
+    }
+    // The rows of the hand-written settings above, and of the other methods.
+    hand_written_builder_rows: [
+        "| `Worker::builder(url)` | the broker (`amqps://` for TLS) | required | `AMQP_URL`, `AMQP_URL_FILE`, `AMQP_PASSWORD_FILE` |\n",
+        "| `.failover_urls([url, ..])` | more brokers (cluster nodes), tried in turn after `url` when a connect fails or a connection is lost; the backoff pause comes only after a whole round failed | none | `AMQP_URL` (`;`-separated) |\n",
+        "| `.topology(Topology)` / `.map_topology(f)` | the queue and its objects, instead of `.queue(name)`'s: `Topology::classic()`, `.bind(exchange, key)`, `.dlq_message_ttl(d)`, `.dlq_max_length(n)`, `.dlq_queue_type(QueueType::Quorum)` (classic by default; quorum on a cluster) | `Topology::new(queue)`: quorum queue, delivery limit 20, `Q.dlx`, `Q.dlq` | |\n",
+        "| `.delay(DelayConfig)` | delay levels | the topology's prefix, 10 ms × 24 levels, quorum | |\n",
+        "| `.policy(RetryPolicy)` | backoff, jitter, max retries, error classification, retry budget | `RetryPolicy::default()`: `exponential(1 s)`, factor 2, cap 60 s, full jitter, 5 retries | `REDELIVER_MAX_RETRIES`, `REDELIVER_RETRY_BASE`, `REDELIVER_RETRY_CAP` amend it |\n",
+        "| `.reconnect_backoff(backoff, jitter)` | reconnect pacing | 100 ms × 2 up to 30 s, full jitter | |\n",
+        "| `.tls(TlsConfig)` | TLS for `amqps://` URLs: CA bundle, client certificate, SASL EXTERNAL | the system's root certificates, password login | `REDELIVER_TLS_*` |\n",
+        "| `.handler(f)` / `.handler_impl(h)` | the handler | required | |\n",
+        "| `.status_handle()` | readiness handle for your own probes | | |\n",
+    ];
+    hand_written_env_rows_first: [
+        "| `AMQP_URL` | `Worker::builder(url)`, `.failover_urls(..)` | broker; several separated by `;` (as Celery's `broker_url`) are the first URL and its failover URLs (the CLI connects to the first that answers, warning about each that does not); a list mixing `amqps://` and `amqp://` is refused, and a `;` in a password is written `%3B` | `amqp://user:pass@host:5672/%2f` (vhost `/` is `%2f`), `amqps://…:5671/…` for TLS | `amqp://guest:guest@127.0.0.1:5672/%2f` |\n",
+        "| `AMQP_URL_FILE` | | instead of `AMQP_URL`: a file holding it (a Kubernetes secret mounted as a file) | path | none |\n",
+        "| `AMQP_PASSWORD_FILE` | | the password of every URL, from a file (a URL without a user is an error, not a login as `guest`) | path | none |\n",
+        "| `REDELIVER_TLS_CA_FILE` | `.tls(TlsConfig::new().ca_file(p))` | CA certificates trusted next to the system's | PEM file | none |\n",
+        "| `REDELIVER_TLS_CERT_FILE`, `REDELIVER_TLS_KEY_FILE` | `TlsConfig::client_cert(cert, key)` | client certificate for mutual TLS (both or neither) | PEM files | none |\n",
+        "| `REDELIVER_TLS_SASL_EXTERNAL` | `TlsConfig::sasl_external(yes)` | log in by the client certificate | `true`/`false` | `false` |\n",
+    ];
+    simple {
+        /// The queue to consume, with the default topology (quorum queue, `Q.dlx`, `Q.dlq`,
+        /// delivery limit 20, see [`Topology`]). Refine it with [`map_topology`](Self::map_topology),
+        /// or pass a whole [`Topology`] with [`topology`](Self::topology) instead.
+        text queue(name),
+            "the queue to consume, with the default topology", "none: required unless `.topology(..)` is given",
+            env QUEUE = "REDELIVER_QUEUE", "a queue name", read::text;
+        /// Name prefix for every object (queue, DLX, DLQ and, unless [`delay`](Self::delay) is
+        /// given, the delay levels). Applied before [`map_topology`](Self::map_topology)'s functions.
+        text prefix(prefix),
+            "prefix of every object's name (and of the delay levels' unless `.delay(..)` is given)", "none",
+            env PREFIX = "REDELIVER_PREFIX", "text, taken literally", read::literal;
+        /// Handlers allowed to run at once. A prefetch below it caps concurrency.
+        value concurrency(n: usize) = 10,
+            "handlers at once", "10",
+            env CONCURRENCY = "REDELIVER_CONCURRENCY", "an integer ≥ 1", read::positive_count,
+            check concurrency_in_range;
+        /// Per-consumer prefetch (`basic.qos`, `global = false`), applied on every channel the worker
+        /// opens. It is the only bound on messages buffered in memory. Must be at least
+        /// 1.
+        option prefetch(n: u16),
+            "unacked deliveries per consumer, the only in-memory bound", "2 × concurrency, at most 65535",
+            env PREFETCH = "REDELIVER_PREFETCH", "1..=65535", read::prefetch,
+            check prefetch_nonzero;
+        /// Per-message handler time limit; a handler that exceeds it is dropped and the message
+        /// retried as a transient failure.
+        ///
+        /// Keep it well below the broker's `consumer_timeout` (30 min by default): a delivery held
+        /// longer than that makes the broker close the channel, and every in-flight message of that
+        /// channel is redelivered.
+        option handler_timeout(d: Duration),
+            "per-message time limit, a transient error; keep it below RabbitMQ's `consumer_timeout` (30 min), which closes the channel of a delivery held longer", "none",
+            env HANDLER_TIMEOUT = "REDELIVER_HANDLER_TIMEOUT", "a duration, `0s` = none", read::timeout;
+        /// How long shutdown waits for in-flight handlers before dropping them (their messages go
+        /// back to the queue when the channel closes).
+        value shutdown_grace(d: Duration) = Duration::from_secs(25),
+            "time in-flight handlers get on shutdown (SIGTERM)", "25 s (below Kubernetes' 30 s `terminationGracePeriodSeconds`)",
+            env GRACE_PERIOD = "REDELIVER_GRACE_PERIOD", "a duration: `25s`, `500ms`, `1m 30s`", read::any_duration;
+        /// Only verify (passively) that the topology exists instead of declaring it, for
+        /// deployments where an operator or the CLI owns the topology.
+        value verify_only(yes: bool) = false,
+            "passive declares only, for users without configure permission", "`false`: declare the topology",
+            env VERIFY_ONLY = "REDELIVER_VERIFY_ONLY", "`true`/`false` (`1`/`0`, `yes`/`no`)", read::flag;
+        /// Connection name shown in the management UI (client property `connection_name`).
+        text connection_name(name),
+            "connection name shown in the management UI", "`redeliver-worker:<queue>`",
+            env CONNECTION_NAME = "REDELIVER_CONNECTION_NAME", "text", read::text;
+        /// How messages that cannot succeed reach `Q.dlq`; see the modes' trade-offs on
+        /// [`DeadLetterMode`].
+        ///
+        /// ```
+        /// use redeliver_worker::{DeadLetterMode, Worker};
+        /// let builder = Worker::builder("amqp://127.0.0.1:5672/%2f")
+        ///     .queue("images")
+        ///     .dead_letter_mode(DeadLetterMode::Annotate);
+        /// # let _ = builder;
+        /// ```
+        value dead_letter_mode(mode: DeadLetterMode) = DeadLetterMode::Reject,
+            "how dead letters reach `Q.dlq`: `Reject` (the broker's DLX moves the message, `x-death` says `rejected`) or `Annotate` (the worker publishes it to `Q.dlx` with `x-redeliver-dead-letter-reason`, `-error`, `-attempts`, `x-redeliver-dead-lettered-at`, `-by`, confirmed, then acks the original)", "`Reject`",
+            env DEAD_LETTER_MODE = "REDELIVER_DEAD_LETTER_MODE", "`reject` or `annotate`", read::from_str;
+        /// How often the worker itself gives one message back to its queue, because the broker did
+        /// not confirm the copy that would have replaced it (a retry copy, a repaired copy), before
+        /// it dead-letters the message instead (reason `requeue_limit`). Each requeue waits 1 s.
+        ///
+        /// Before RabbitMQ 4.3 a quorum queue counted these requeues toward its delivery limit; from
+        /// 4.3 it does not, and a classic queue never did, so without this bound a copy that can
+        /// never be confirmed would cycle forever.
+        value requeue_limit(n: u32) = 10,
+            "how often the worker gives one message back to its queue because the broker did not confirm its retry (or repaired) copy, 1 s apart, before it dead-letters it instead (reason `requeue_limit`)", "10";
+        /// Largest body the worker publishes (retry and repaired copies); a larger copy is refused
+        /// before it reaches the broker, and its original dead-lettered with reason `too_large`.
+        /// Set it when the broker's `max_message_size` is not its version's default.
+        option max_message_size(bytes: usize),
+            "largest body the worker publishes; a retry copy over it dead-letters the original (reason `too_large`) instead of failing forever", "the broker version's default: 16 MiB from RabbitMQ 4.0, 128 MiB before";
+        /// How long the worker waits for the broker to confirm a copy it publishes (a retry copy, a
+        /// repaired copy, an annotated dead letter), and for the broker to unblock its publishing
+        /// connection during a resource alarm, before it gives the original back to the queue (as
+        /// when the copy is refused). Copies go out on a connection of their own, so a blocked
+        /// publish never holds up the acks of successful deliveries. Requeues while the broker
+        /// blocks the connection do not count toward the [`requeue_limit`](Self::requeue_limit):
+        /// an alarm is not the message's fault.
+        value confirm_timeout(d: Duration) = Duration::from_secs(30),
+            "longest wait for the broker to confirm a copy (retry, dead letter) or to unblock publishing, before the original goes back to the queue", "30 s",
+            env CONFIRM_TIMEOUT = "REDELIVER_CONFIRM_TIMEOUT", "a positive duration", read::positive_duration,
+            check positive;
+        /// How often the running worker checks that its topology still exists (`Q.dlx`, `Q.dlq`,
+        /// `Q`, and the delay infrastructure: its levels and the parking queue of retries whose queue
+        /// is gone), declares again what was deleted (unless [`verify_only`](Self::verify_only)),
+        /// and measures the parking queue (metric `redeliver_delay_unroutable_messages`). Without the
+        /// parking queue, such a retry would be dropped; without `Q.dlx`, the broker drops (classic
+        /// `Q`) or holds (quorum `Q`) dead letters, silently. The interval bounds that window.
+        value topology_check_interval(d: Duration) = Duration::from_secs(30),
+            "how often the running worker checks its topology and the delay infrastructure, and declares again what was deleted", "30 s",
+            check positive;
+    }
+    hand_written_env_rows_last: [
+        "| `REDELIVER_MAX_RETRIES` | `.policy(..)` | retries before the DLQ (amends the builder's policy) | integer | the policy's |\n",
+        "| `REDELIVER_RETRY_BASE` | `.policy(..)` | first backoff delay (amends the builder's policy) | a duration (`200ms`) | the policy's |\n",
+        "| `REDELIVER_RETRY_CAP` | `.policy(..)` | largest backoff delay (amends the builder's policy) | a duration (`30s`) | the policy's |\n",
+        "| `REDELIVER_HEALTH_ADDR` | `ServiceSettings::health_addr` | health server `/livez` `/readyz` `/metrics` | `0.0.0.0:8080`, `[::1]:8080`, or a bare port `8080` for every IPv4 and IPv6 address | off |\n",
+        "| `REDELIVER_LOG_FORMAT` | `ServiceSettings::log_format` | log lines | `json` or `pretty` | `pretty` |\n",
+        "| `RUST_LOG` | `ServiceSettings::log_filter` | log filter | `tracing` directives | `info` |\n",
+    ];
+}
+
+/// [`concurrency`](crate::WorkerBuilder::concurrency) from 1 to [`Permits::MAX`].
+fn concurrency_in_range(_name: &'static str, n: &usize) -> Result<(), SettingError> {
+    if *n == 0 || *n > Permits::MAX {
+        return Err(SettingError::Concurrency {
+            got: *n,
+            max: Permits::MAX,
+        });
+    }
+    Ok(())
+}
+
+/// A prefetch of 0 means "unlimited" to the broker, and lapin buffers deliveries without bound.
+fn prefetch_nonzero(_name: &'static str, n: &Option<u16>) -> Result<(), SettingError> {
+    match n {
+        Some(0) => Err(SettingError::Prefetch),
+        _ => Ok(()),
+    }
+}
+
+/// A duration that must be more than zero (a zero timeout or interval would spin).
+fn positive(name: &'static str, d: &Duration) -> Result<(), SettingError> {
+    if d.is_zero() {
+        return Err(SettingError::Zero(name));
+    }
+    Ok(())
 }
 
 impl Settings {
-    pub(crate) fn new(url: String) -> Self {
-        Self {
-            url,
-            failover_urls: Vec::new(),
-            queue: None,
-            topology: None,
-            prefix: None,
-            delay: None,
-            policy: RetryPolicy::exponential(Duration::from_secs(1)),
-            prefetch: None,
-            concurrency: 10,
-            verify_only: false,
-            handler_timeout: None,
-            // Below Kubernetes' default `terminationGracePeriodSeconds` (30 s), so settling and
-            // closing fit before the pod is killed.
-            shutdown_grace: Duration::from_secs(25),
-            connection_name: None,
-            reconnect_backoff: Backoff::Exponential {
-                base: Duration::from_millis(100),
-                factor: 2.0,
-                cap: Duration::from_secs(30),
-            },
-            reconnect_jitter: Jitter::Full,
-            requeue_limit: DEFAULT_REQUEUE_LIMIT,
-            max_message_size: None,
-            confirm_timeout: Duration::from_secs(30),
-            topology_check_interval: Duration::from_secs(30),
-            tls: TlsConfig::new(),
-            dead_letter_mode: DeadLetterMode::Reject,
-        }
-    }
-
     /// The first broker URL (it may hold a password: log [`Settings`]' `Debug`, which masks it).
     pub fn url(&self) -> &str {
         &self.url
@@ -130,19 +413,9 @@ impl Settings {
         &self.failover_urls
     }
 
-    /// The queue given to [`queue`](crate::WorkerBuilder::queue), if any.
-    pub fn queue(&self) -> Option<&str> {
-        self.queue.as_deref()
-    }
-
     /// The topology given to [`topology`](crate::WorkerBuilder::topology), if any.
     pub fn topology(&self) -> Option<&Topology> {
         self.topology.as_ref()
-    }
-
-    /// The name prefix given to [`prefix`](crate::WorkerBuilder::prefix), if any.
-    pub fn prefix(&self) -> Option<&str> {
-        self.prefix.as_deref()
     }
 
     /// The delay settings given to [`delay`](crate::WorkerBuilder::delay), if any.
@@ -153,36 +426,6 @@ impl Settings {
     /// The retry policy.
     pub fn policy(&self) -> &RetryPolicy {
         &self.policy
-    }
-
-    /// The prefetch, if set (otherwise twice the concurrency, at most 65535).
-    pub fn prefetch(&self) -> Option<u16> {
-        self.prefetch
-    }
-
-    /// Handlers allowed to run at once.
-    pub fn concurrency(&self) -> usize {
-        self.concurrency
-    }
-
-    /// Whether the topology is only verified, not declared.
-    pub fn verify_only(&self) -> bool {
-        self.verify_only
-    }
-
-    /// The per-message handler time limit, if any.
-    pub fn handler_timeout(&self) -> Option<Duration> {
-        self.handler_timeout
-    }
-
-    /// How long shutdown waits for in-flight handlers.
-    pub fn shutdown_grace(&self) -> Duration {
-        self.shutdown_grace
-    }
-
-    /// The connection name, if set (otherwise `redeliver-worker:<queue>`).
-    pub fn connection_name(&self) -> Option<&str> {
-        self.connection_name.as_deref()
     }
 
     /// Pacing of reconnect attempts.
@@ -196,42 +439,17 @@ impl Settings {
         self.reconnect_backoff.delays(self.reconnect_jitter)
     }
 
-    /// Requeues of one message before it is dead-lettered instead.
-    pub fn requeue_limit(&self) -> u32 {
-        self.requeue_limit
-    }
-
-    /// The largest body the worker publishes, if set (otherwise the broker version's default).
-    pub fn max_message_size(&self) -> Option<usize> {
-        self.max_message_size
-    }
-
-    /// How long a copy's publish may wait for the broker's confirm.
-    pub fn confirm_timeout(&self) -> Duration {
-        self.confirm_timeout
-    }
-
-    /// How often the running worker checks the delay infrastructure.
-    pub fn topology_check_interval(&self) -> Duration {
-        self.topology_check_interval
-    }
-
     /// TLS settings for `amqps://` URLs.
     pub fn tls(&self) -> &TlsConfig {
         &self.tls
-    }
-
-    /// How messages that cannot succeed reach the DLQ.
-    pub fn dead_letter_mode(&self) -> DeadLetterMode {
-        self.dead_letter_mode
     }
 }
 
 impl fmt::Debug for Settings {
     // By hand, so that logging the settings never prints the broker password.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Settings")
-            .field("url", &url::redact(&self.url))
+        let mut d = f.debug_struct("Settings");
+        d.field("url", &url::redact(&self.url))
             .field(
                 "failover_urls",
                 &self
@@ -240,38 +458,113 @@ impl fmt::Debug for Settings {
                     .map(|u| url::redact(u))
                     .collect::<Vec<_>>(),
             )
-            .field("queue", &self.queue)
             .field("topology", &self.topology)
-            .field("prefix", &self.prefix)
             .field("delay", &self.delay)
             .field("policy", &self.policy)
-            .field("prefetch", &self.prefetch)
-            .field("concurrency", &self.concurrency)
-            .field("verify_only", &self.verify_only)
-            .field("handler_timeout", &self.handler_timeout)
-            .field("shutdown_grace", &self.shutdown_grace)
-            .field("connection_name", &self.connection_name)
             .field("reconnect_backoff", &self.reconnect_backoff)
             .field("reconnect_jitter", &self.reconnect_jitter)
-            .field("requeue_limit", &self.requeue_limit)
-            .field("max_message_size", &self.max_message_size)
-            .field("confirm_timeout", &self.confirm_timeout)
-            .field("topology_check_interval", &self.topology_check_interval)
-            .field("tls", &self.tls)
-            .field("dead_letter_mode", &self.dead_letter_mode)
-            .finish()
+            .field("tls", &self.tls);
+        self.debug_simple(&mut d);
+        d.finish()
     }
 }
 
-/// What [`WorkerBuilder::build`](crate::WorkerBuilder::build) made of the settings: URLs parsed,
-/// the final topology, the resolved defaults. Shared by the worker's sessions and deliveries.
+/// What [`WorkerBuilder::build`](crate::WorkerBuilder::build) made of the settings: the settings
+/// themselves, and only what is derived from them (URLs parsed, the final topology and its
+/// queue's name) or is not a setting (the handler). Shared by the worker's sessions and
+/// deliveries; defaults that depend on other settings are methods, not copies.
 pub(crate) struct Resolved {
     pub(crate) settings: Settings,
     /// The first URL, then the failover URLs; never empty.
     pub(crate) urls: Vec<BrokerUrl>,
     pub(crate) topology: Topology,
-    pub(crate) queue: String,
-    pub(crate) prefetch: u16,
-    pub(crate) connection_name: String,
+    /// The topology's full queue name (prefix included), computed once and shared by the
+    /// sessions' rules and every delivery's context.
+    pub(crate) queue: Arc<str>,
     pub(crate) handler: Arc<dyn ErasedHandler>,
+}
+
+impl Resolved {
+    /// [`Settings::prefetch`], or its default: twice the concurrency, at most 65535.
+    pub(crate) fn prefetch(&self) -> u16 {
+        let concurrency = self.settings.concurrency;
+        self.settings
+            .prefetch
+            .unwrap_or_else(|| u16::try_from(concurrency.saturating_mul(2)).unwrap_or(u16::MAX))
+    }
+
+    /// [`Settings::connection_name`], or its default `redeliver-worker:<queue>`.
+    pub(crate) fn connection_name(&self) -> String {
+        match &self.settings.connection_name {
+            Some(name) => name.clone(),
+            None => format!("redeliver-worker:{}", self.queue),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The README's tables are these ones: on a mismatch, paste what this prints.
+    #[test]
+    fn the_readme_shows_the_generated_tables() {
+        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../../README.md");
+        let readme = std::fs::read_to_string(path).expect("the workspace's README");
+        let mut stale = String::new();
+        for (name, table) in [
+            ("builder (## Configuration)", builder_table!()),
+            ("environment (### Environment variables)", env_table!()),
+        ] {
+            if !readme.contains(table) {
+                stale += &format!("the README's {name} table should read:\n\n{table}\n");
+            }
+        }
+        assert!(stale.is_empty(), "{stale}");
+    }
+
+    /// Every variable the environment layer reads has its row, and every row its variable.
+    #[test]
+    fn the_environment_table_lists_every_variable() {
+        let table = env_table!();
+        let rows: Vec<&str> = table.lines().skip(2).collect();
+        for var in crate::env::VARIABLES {
+            let cell = format!("`{var}`");
+            assert!(
+                rows.iter()
+                    .any(|r| r.split(" | ").next().is_some_and(|c| c.contains(&cell))),
+                "{var} has no row"
+            );
+        }
+        for row in rows {
+            let first = row.split(" | ").next().unwrap_or_default();
+            assert!(
+                crate::env::VARIABLES
+                    .iter()
+                    .any(|v| first.contains(&format!("`{v}`"))),
+                "row without its variable in env::VARIABLES: {row}"
+            );
+        }
+        let mut sorted = crate::env::VARIABLES.to_vec();
+        sorted.sort_unstable();
+        sorted.dedup();
+        assert_eq!(
+            sorted.len(),
+            crate::env::VARIABLES.len(),
+            "a variable twice"
+        );
+    }
+
+    #[test]
+    fn one_default_retry_policy() {
+        let worker = Settings::new(String::new());
+        assert_eq!(
+            format!("{:?}", worker.policy()),
+            format!("{:?}", RetryPolicy::default())
+        );
+        assert_eq!(
+            RetryPolicy::default().backoff().base(),
+            Duration::from_secs(1)
+        );
+    }
 }

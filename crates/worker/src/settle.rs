@@ -13,7 +13,7 @@
 //!   copy would only be a duplicate.
 
 use std::fmt;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use lapin::message::Delivery;
@@ -43,7 +43,8 @@ pub(crate) const REQUEUE_PAUSE: Duration = Duration::from_secs(1);
 /// The settling rules of one session: the worker's settings and what the broker said.
 #[derive(Clone, Debug)]
 pub(crate) struct Rules {
-    pub(crate) queue: String,
+    /// The worker's (shared with [`crate::settings::Resolved`] and every delivery's context).
+    pub(crate) queue: Arc<str>,
     pub(crate) dlx: String,
     pub(crate) dlq: String,
     pub(crate) mode: DeadLetterMode,
@@ -326,7 +327,7 @@ impl<B: Broker> Settle<'_, B> {
         span.record("reason", reason);
         span.record("error", error);
         let props = self.original().forwarded(&ForwardInfo {
-            from: self.rules.queue.clone(),
+            from: self.rules.queue.to_string(),
             reason: reason.to_owned(),
             error: Some(error.to_owned()),
             attempts: Some(u64::from(attempts)),

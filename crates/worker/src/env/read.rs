@@ -75,3 +75,70 @@ pub(super) fn socket_addr(v: &str) -> Result<SocketAddr, String> {
     v.parse::<SocketAddr>()
         .map_err(|_| "expected an address like 0.0.0.0:8080 (or a bare port like 8080)".to_owned())
 }
+
+/// A simple setting's variable: `parser` gets the value untrimmed (only a prefix keeps its
+/// spaces) and returns the setting's value.
+pub(crate) fn value<T>(
+    var: &'static str,
+    value: Option<String>,
+    parser: fn(&str) -> Result<T, String>,
+) -> Result<Option<T>, EnvError> {
+    match value {
+        None => Ok(None),
+        Some(v) => parser(&v)
+            .map(Some)
+            .map_err(|reason| EnvError::new(var, &v, reason)),
+    }
+}
+
+// The parsers of the simple settings (see `settings!`): each takes the raw value.
+
+/// Text without the spaces around it.
+pub(crate) fn text(v: &str) -> Result<Option<String>, String> {
+    Ok(Some(v.trim().to_owned()))
+}
+
+/// Text taken literally: a prefix may end with a separator, a space included.
+pub(crate) fn literal(v: &str) -> Result<Option<String>, String> {
+    Ok(Some(v.to_owned()))
+}
+
+pub(crate) fn positive_count(v: &str) -> Result<usize, String> {
+    match v.trim().parse::<usize>() {
+        Ok(0) | Err(_) => Err("expected an integer of at least 1".to_owned()),
+        Ok(n) => Ok(n),
+    }
+}
+
+pub(crate) fn prefetch(v: &str) -> Result<Option<u16>, String> {
+    match v.trim().parse::<u16>() {
+        Ok(0) | Err(_) => Err("expected an integer from 1 to 65535".to_owned()),
+        Ok(n) => Ok(Some(n)),
+    }
+}
+
+pub(crate) fn flag(v: &str) -> Result<bool, String> {
+    boolean(v.trim())
+}
+
+pub(crate) fn any_duration(v: &str) -> Result<Duration, String> {
+    duration(v.trim())
+}
+
+/// A time limit: `0s` means none.
+pub(crate) fn timeout(v: &str) -> Result<Option<Duration>, String> {
+    let d = duration(v.trim())?;
+    Ok((!d.is_zero()).then_some(d))
+}
+
+pub(crate) fn positive_duration(v: &str) -> Result<Duration, String> {
+    match duration(v.trim())? {
+        d if d.is_zero() => Err("expected a positive duration, like 30s".to_owned()),
+        d => Ok(d),
+    }
+}
+
+/// A value of a type parsing itself, with its own message ([`crate::DeadLetterMode`]).
+pub(crate) fn from_str<T: std::str::FromStr<Err = String>>(v: &str) -> Result<T, String> {
+    v.trim().parse()
+}
