@@ -439,7 +439,7 @@ fn build(args: &Args, app: &Arc<App>, inbox: Option<inbox::Faulty>) -> anyhow::R
         .concurrency(args.concurrency)
         .shutdown_grace(Duration::from_millis(args.shutdown_grace_ms));
     let mut b = match inbox {
-        Some(h) => b.handler_impl(h),
+        Some(h) => b.handler(h),
         None => b.handler(move |job: Json<Job>, ctx: Context| {
             let app = Arc::clone(&app);
             async move { app.handle(job.into_inner(), ctx).await }

@@ -64,7 +64,7 @@ pub const NO_IDEMPOTENCY_KEY: &str = "no_idempotency_key";
 /// inbox.prepare().await?; // migrations, at start
 /// Worker::builder("amqp://127.0.0.1:5672/%2f")
 ///     .queue("payments")
-///     .handler_impl(inbox.handler(MarkPaid))
+///     .handler(inbox.handler(MarkPaid))
 ///     .run_until_signal()
 ///     .await?;
 /// # Ok(()) }
@@ -294,7 +294,7 @@ impl Inbox {
     }
 
     /// Wraps `handler` into a worker [`Handler`], for
-    /// [`WorkerBuilder::handler_impl`](redeliver_worker::WorkerBuilder::handler_impl).
+    /// [`WorkerBuilder::handler`](redeliver_worker::WorkerBuilder::handler).
     pub fn handler<M, H: TransactionalHandler<M>>(&self, handler: H) -> InboxHandler<H, M> {
         InboxHandler {
             core: self.core(),
@@ -306,6 +306,12 @@ impl Inbox {
     /// The closure form of [`handler`](Self::handler): `f` takes the message, the context and
     /// the [`Tx`] by value, and returns the `Tx` to commit (`Ok(tx)`) or an error, which rolls
     /// back (the transaction is dropped with the closure's future).
+    ///
+    /// A second method, where the worker's [`handler`](redeliver_worker::WorkerBuilder::handler)
+    /// takes closures and values alike: a transactional handler borrows the transaction
+    /// (`&mut Tx`), and stable Rust cannot yet say that the future of a closure borrowing its
+    /// argument is `Send`, which the worker needs. Taking the `Tx` by value and giving it back
+    /// sidesteps that.
     ///
     /// ```no_run
     /// use redeliver_postgres::{Inbox, Tx};
@@ -324,7 +330,7 @@ impl Inbox {
     /// });
     /// Worker::builder("amqp://127.0.0.1:5672/%2f")
     ///     .queue("records")
-    ///     .handler_impl(handler)
+    ///     .handler(handler)
     ///     .run_until_signal()
     ///     .await
     /// # }

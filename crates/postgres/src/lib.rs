@@ -93,7 +93,7 @@
 //!
 //! Worker::builder("amqp://127.0.0.1:5672/%2f")
 //!     .queue("records")
-//!     .handler_impl(inbox.handler(Record))
+//!     .handler(inbox.handler(Record))
 //!     .run(token)
 //!     .await?;
 //! # Ok(()) }

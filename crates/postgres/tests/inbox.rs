@@ -417,7 +417,7 @@ mod worker {
             Worker::builder(redeliver_testkit::amqp_url())
                 .topology(topology)
                 .concurrency(8)
-                .handler_impl(inbox.handler(effect.clone()))
+                .handler(inbox.handler(effect.clone()))
                 .run(token.clone()),
         );
         let conn = redeliver_testkit::connect().await;

@@ -1,13 +1,12 @@
 //! Configuring a worker: [`WorkerBuilder`], its validation, and [`Worker::builder`].
 
-use std::future::Future;
 use std::sync::Arc;
 
 use redeliver_amqp::url::BrokerUrl;
 use redeliver_amqp::DelayConfig;
 use redeliver_amqp::TlsConfig;
 use redeliver_amqp::Topology;
-use redeliver_core::{Backoff, HandlerError, Jitter, RetryPolicy};
+use redeliver_core::{Backoff, Jitter, RetryPolicy};
 use tokio_util::sync::CancellationToken;
 use tracing::warn;
 
@@ -23,7 +22,7 @@ type TopologyMap = Box<dyn FnOnce(Topology) -> Topology + Send>;
 /// [`WorkerBuilder::from_env`](crate::WorkerBuilder::from_env)).
 ///
 /// Required: a queue ([`queue`](Self::queue) or [`topology`](Self::topology)) and a handler
-/// ([`handler`](Self::handler) or [`handler_impl`](Self::handler_impl)).
+/// ([`handler`](Self::handler) or [`handler`](Self::handler)).
 ///
 /// # Defaults
 ///
@@ -143,27 +142,18 @@ impl WorkerBuilder {
         self
     }
 
-    /// The handler, as a closure `|msg: M, ctx: Context| async move { ... }` returning
-    /// `Result<(), HandlerError>`; `M` is any [`FromDelivery`] type ([`Json<T>`](crate::Json),
-    /// [`Raw`](crate::Raw), [`Text`](crate::Text)). A body that does not decode as `M` is
-    /// dead-lettered without calling the handler.
+    /// The handler: a closure `|msg: M, ctx: Context| async move { ... }` returning
+    /// `Result<(), HandlerError>`, or a value implementing [`Handler`] (a struct holding pools
+    /// and clients; closures implement it too). `M` is any [`FromDelivery`] type
+    /// ([`Json<T>`](crate::Json), [`Raw`](crate::Raw), [`Text`](crate::Text)); a closure names it,
+    /// and the [`Context`](crate::Context), in its arguments' types. A body that does not decode
+    /// as `M` is dead-lettered without calling the handler.
     ///
     /// The worker polls a handler's future once itself before making it a task (a handler that
     /// completes without waiting costs no task then), so CPU-heavy work before the first
     /// `.await` delays the intake of the next delivery: move such work to
     /// `tokio::task::spawn_blocking`, as in any async code.
-    pub fn handler<M, F, Fut>(mut self, f: F) -> Self
-    where
-        M: FromDelivery,
-        F: Fn(M, crate::Context) -> Fut + Send + Sync + 'static,
-        Fut: Future<Output = Result<(), HandlerError>> + Send + 'static,
-    {
-        self.handler = Some(Arc::new(Erased::<F, M>::new(f)));
-        self
-    }
-
-    /// The handler, as a value implementing [`Handler`] (a struct holding pools and clients).
-    pub fn handler_impl<M, H>(mut self, handler: H) -> Self
+    pub fn handler<M, H>(mut self, handler: H) -> Self
     where
         M: FromDelivery,
         H: Handler<M>,

@@ -58,8 +58,8 @@ pub enum SettingError {
     #[error("no queue: call .queue(name) or .topology(..)")]
     NoQueue,
     /// Neither [`handler`](crate::WorkerBuilder::handler) nor
-    /// [`handler_impl`](crate::WorkerBuilder::handler_impl) was called.
-    #[error("no handler: call .handler(..) or .handler_impl(..)")]
+    /// [`handler`](crate::WorkerBuilder::handler) was called.
+    #[error("no handler: call .handler(..) or .handler(..)")]
     NoHandler,
     /// [`concurrency`](crate::WorkerBuilder::concurrency) out of range.
     #[error("concurrency must be between 1 and {max}, got {got}")]

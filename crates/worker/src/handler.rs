@@ -21,7 +21,7 @@ use tokio_util::sync::CancellationToken;
 /// Closures `Fn(M, Context) -> impl Future<Output = Result<(), HandlerError>>` implement it, so
 /// most services pass a closure to [`WorkerBuilder::handler`](crate::WorkerBuilder::handler).
 /// Implement it on a struct when the handler owns state (database pools, HTTP clients) and pass
-/// it to [`WorkerBuilder::handler_impl`](crate::WorkerBuilder::handler_impl); `async fn` works
+/// it to [`WorkerBuilder::handler`](crate::WorkerBuilder::handler); `async fn` works
 /// in the impl as long as the future is `Send`.
 ///
 /// `M` is the decoded message: [`Json<T>`], [`Raw`], [`Text`] or any [`FromDelivery`] type.
@@ -47,7 +47,7 @@ use tokio_util::sync::CancellationToken;
 /// # async fn demo() -> Result<(), redeliver_worker::WorkerError> {
 /// Worker::builder("amqp://127.0.0.1:5672/%2f")
 ///     .queue("images")
-///     .handler_impl(Resizer { http: std::sync::Arc::new("client".into()) })
+///     .handler(Resizer { http: std::sync::Arc::new("client".into()) })
 ///     .run_until_signal()
 ///     .await
 /// # }

@@ -259,7 +259,7 @@ settings! {
         "| `.policy(RetryPolicy)` | backoff, jitter, max retries, error classification, retry budget | `RetryPolicy::default()`: `exponential(1 s)`, factor 2, cap 60 s, full jitter, 5 retries | `REDELIVER_MAX_RETRIES`, `REDELIVER_RETRY_BASE`, `REDELIVER_RETRY_CAP` amend it |\n",
         "| `.reconnect_backoff(backoff, jitter)` | reconnect pacing | 100 ms × 2 up to 30 s, full jitter | |\n",
         "| `.tls(TlsConfig)` | TLS for `amqps://` URLs: CA bundle, client certificate, SASL EXTERNAL | the system's root certificates, password login | `REDELIVER_TLS_*` |\n",
-        "| `.handler(f)` / `.handler_impl(h)` | the handler | required | |\n",
+        "| `.handler(f)` / `.handler(h)` | the handler | required | |\n",
         "| `.status_handle()` | readiness handle for your own probes | | |\n",
     ];
     hand_written_env_rows_first: [

@@ -104,7 +104,7 @@ pub async fn start_inbox(
             Ok(tx)
         }
     });
-    let builder = builder(url, args).handler_impl(Counted {
+    let builder = builder(url, args).handler(Counted {
         inner: handler,
         probe,
     });

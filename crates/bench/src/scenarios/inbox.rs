@@ -1,5 +1,5 @@
 //! Scenario 7, exactly-once effects: every message is one INSERT into PostgreSQL. redeliver
-//! runs it through the inbox (`Inbox::handler_fn` + `WorkerBuilder::handler_impl`: `BEGIN`,
+//! runs it through the inbox (`Inbox::handler_fn` + `WorkerBuilder::handler`: `BEGIN`,
 //! the inbox's `INSERT ... ON CONFLICT DO NOTHING`, the handler's INSERT, `COMMIT`, ack); the
 //! raw side is a hand-written lapin consumer doing `BEGIN`, the same INSERT, `COMMIT`, ack.
 //! Same queue type, prefetch, handlers in flight and pool size on both sides; msg/s is the drain
