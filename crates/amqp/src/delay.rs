@@ -31,7 +31,8 @@ pub enum OverMax {
 /// Configuration of the delay infrastructure of one vhost (shared by all its consumers).
 ///
 /// Defaults: no prefix, granularity 10 ms, 24 levels (max delay (2^24 - 1) * 10 ms, about 46.6 h),
-/// quorum level queues, delays above the maximum rejected.
+/// quorum level queues, delays above the maximum rejected, jittered delays rounded to at most 4
+/// hops ([`Self::jittered_hops`]).
 ///
 /// A delay `d` becomes `n = ceil(d / g)` ticks of the granularity `g`, written as `L` bits most
 /// significant first. The routing key is those bits as `L` words, then the destination queue's
