@@ -14,6 +14,10 @@ const MAX_TTL_MS: u128 = u32::MAX as u128;
 /// 2^(L-1) ticks of at least 1 ms must fit [`MAX_TTL_MS`].
 const MAX_LEVELS: u8 = 32;
 
+/// Default of [`DelayConfig::jittered_hops`]: a jittered delay waits in at most 4 level queues,
+/// within 1/31 (3.2 %) of its exact value.
+pub const DEFAULT_JITTERED_HOPS: u8 = 4;
+
 /// What to do with a delay above [`DelayConfig::max_delay`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub enum OverMax {
@@ -27,7 +31,8 @@ pub enum OverMax {
 /// Configuration of the delay infrastructure of one vhost (shared by all its consumers).
 ///
 /// Defaults: no prefix, granularity 10 ms, 24 levels (max delay (2^24 - 1) * 10 ms, about 46.6 h),
-/// quorum level queues, delays above the maximum rejected.
+/// quorum level queues, delays above the maximum rejected, jittered delays rounded to at most 4
+/// hops ([`Self::jittered_hops`]).
 ///
 /// A delay `d` becomes `n = ceil(d / g)` ticks of the granularity `g`, written as `L` bits most
 /// significant first. The routing key is those bits as `L` words, then the destination queue's
@@ -65,6 +70,7 @@ pub struct DelayConfig {
     levels: u8,
     queue_type: QueueType,
     over_max: OverMax,
+    jittered_hops: u8,
 }
 
 impl Default for DelayConfig {
@@ -75,6 +81,7 @@ impl Default for DelayConfig {
             levels: 24,
             queue_type: QueueType::Quorum,
             over_max: OverMax::Reject,
+            jittered_hops: DEFAULT_JITTERED_HOPS,
         }
     }
 }
@@ -140,6 +147,24 @@ impl DelayConfig {
     pub fn clamp_over_max(mut self, yes: bool) -> Self {
         self.over_max = if yes { OverMax::Clamp } else { OverMax::Reject };
         self
+    }
+
+    /// At most `k` hops (level queues) for a delay that is random anyway, such as a retry delay
+    /// drawn by a policy's jitter: see [`Self::round_jittered`]. Default
+    /// [`DEFAULT_JITTERED_HOPS`] (4); 0 keeps such delays exact.
+    ///
+    /// Only the publisher's choice: it is not part of the [`Self::settings`] deployments sharing
+    /// the delay levels must agree on.
+    ///
+    /// Read it back with [`Self::configured_jittered_hops`].
+    pub fn jittered_hops(mut self, k: u8) -> Self {
+        self.jittered_hops = k;
+        self
+    }
+
+    /// The configured hop limit of jittered delays (0: exact).
+    pub fn configured_jittered_hops(&self) -> u8 {
+        self.jittered_hops
     }
 
     /// The configured name prefix.
@@ -271,6 +296,77 @@ impl DelayConfig {
                 ticks.saturating_mul(u64::try_from(self.granularity.as_millis()).unwrap_or(0)),
             ),
         })
+    }
+
+    /// [`Self::round_to_hops`] with the configured [`Self::jittered_hops`]: what a delay drawn
+    /// by a jitter is published with.
+    pub fn round_jittered(&self, delay: Duration) -> Duration {
+        self.round_to_hops(delay, self.jittered_hops)
+    }
+
+    /// The delay nearest to `delay` that waits in at most `k` level queues: each set bit of the
+    /// tick count is one hop (a quorum enqueue and a dead-lettering), so fewer bits are less
+    /// broker work. For delays that are random anyway (a jittered backoff), where the error is
+    /// far below the randomness.
+    ///
+    /// Precisely: with `n = ceil(delay / g)`, the tick count [`Self::route`] would use, the
+    /// result is `r * g` where `r` is the integer nearest to `n` with at most `k` bits set and
+    /// at most `2^L - 1` (ties round up). So:
+    ///
+    /// - `n` with at most `k` bits set is kept: every delay of at most `k` ticks' bits, among
+    ///   them every delay below `2^(k+1) - 1` ticks, is exact;
+    /// - the error is `|r - n| <= n / (2^(k+1) - 1)` ticks (3.2 % for `k = 4`), and below
+    ///   `n * 2^-k` in every case: only just under [`Self::max_delay`], where rounding up
+    ///   would exceed it and the top `k` bits are kept instead, does it pass `n / (2^(k+1) - 1)`;
+    /// - a non-zero delay stays at least one tick (as in [`Self::route`], `n >= 1` and `r >= 1`
+    ///   for `k >= 1`), and never exceeds [`Self::max_delay`];
+    /// - it is monotonic (a longer delay never rounds to a shorter one than a shorter delay
+    ///   does) and idempotent (a rounded delay rounds to itself), and [`Self::route`] of the
+    ///   result has exactly `r` ticks.
+    ///
+    /// `k = 0` returns `delay` unchanged (no limit), as does an invalid configuration
+    /// (which [`Self::route`] refuses anyway). A delay above [`Self::max_delay`] is rounded from
+    /// the maximum when the configuration clamps ([`Self::clamp_over_max`]); otherwise it is
+    /// returned unchanged, for [`Self::route`] to refuse.
+    ///
+    /// ```
+    /// use redeliver_amqp::DelayConfig;
+    /// use std::time::Duration;
+    ///
+    /// let cfg = DelayConfig::new(); // 10 ms ticks
+    /// // 37.23 s = 3723 ticks = 0b1110_1000_1011: 7 hops. The nearest value with at most 4 bits
+    /// // set is 0b1110_1000_0000 = 3712 ticks: 4 hops, 110 ms (0.3 %) shorter.
+    /// let r = cfg.round_to_hops(Duration::from_millis(37_230), 4);
+    /// assert_eq!(r, Duration::from_millis(37_120));
+    /// assert_eq!(cfg.route("orders", r).unwrap().ticks.count_ones(), 4);
+    /// // 31 ticks = 0b11111 is the worst case: 32 ticks, 1/31 longer.
+    /// assert_eq!(cfg.round_to_hops(Duration::from_millis(310), 4), Duration::from_millis(320));
+    /// // Up to 4 bits set: exact (in whole ticks, as `route` rounds up).
+    /// assert_eq!(cfg.round_to_hops(Duration::from_millis(25), 4), Duration::from_millis(30));
+    /// ```
+    pub fn round_to_hops(&self, delay: Duration, k: u8) -> Duration {
+        if k == 0 || self.validate().is_err() {
+            return delay;
+        }
+        // validate(): g is at least 1 ms, so no division by zero.
+        let g = self.granularity.as_nanos();
+        let max = self.max_ticks();
+        let mut ticks = delay.as_nanos().div_ceil(g);
+        if ticks > max {
+            match self.over_max {
+                OverMax::Reject => return delay,
+                OverMax::Clamp => ticks = max,
+            }
+        }
+        // validate() bounds L to 32, so ticks <= max < 2^32 and fits both u64 and u32.
+        let (Ok(n), Ok(max)) = (u64::try_from(ticks), u64::try_from(max)) else {
+            return delay;
+        };
+        let r = nearest_with_bits(n, u32::from(k), max);
+        match u32::try_from(r) {
+            Ok(r) => self.granularity.saturating_mul(r),
+            Err(_) => delay,
+        }
     }
 
     /// Binding key of `queue` on the deliver exchange: `L` `*` words, then the queue's words
@@ -573,6 +669,30 @@ impl DelayConfig {
     }
 }
 
+/// The integer nearest to `n` with at most `k` (>= 1) bits set and at most `max`; ties round up
+/// unless that would pass `max`. `n <= max`.
+///
+/// Below `n` the nearest is `n` with all but its `k` highest set bits cleared (any smaller
+/// value with `k` bits differs from `n` first at a set bit of `n`, below which it has fewer
+/// bits left); above `n` it is that value plus its lowest set bit (the carry merges bits, so
+/// there are still at most `k`): nothing with `k` bits lies strictly between them.
+fn nearest_with_bits(n: u64, k: u32, max: u64) -> u64 {
+    if n.count_ones() <= k {
+        return n;
+    }
+    let mut floor = n;
+    while floor.count_ones() > k {
+        // Clears the lowest set bit.
+        floor &= floor - 1;
+    }
+    // floor has k >= 1 bits set, so it is not 0.
+    let lowest = floor & floor.wrapping_neg();
+    match floor.checked_add(lowest) {
+        Some(ceil) if ceil <= max && ceil - n <= n - floor => ceil,
+        _ => floor,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -707,5 +827,148 @@ mod tests {
         );
         assert_eq!(c.declare_ops(false).len(), 4 + 4 * 24);
         assert_eq!(c.declare_ops(true).len(), 3 + 2 * 24);
+    }
+
+    /// Ticks of `round_to_hops(ticks * g, k)`.
+    fn rounded(c: &DelayConfig, ticks: u64, k: u8) -> u64 {
+        let g = c.configured_granularity();
+        let r = c.round_to_hops(g * u32::try_from(ticks).unwrap(), k);
+        u64::try_from(r.as_nanos() / g.as_nanos()).unwrap()
+    }
+
+    #[test]
+    fn round_to_hops_boundaries() {
+        let c = DelayConfig::new();
+        assert_eq!(c.configured_jittered_hops(), DEFAULT_JITTERED_HOPS);
+        // Up to k bits: unchanged; every count below 2^(k+1) - 1 has at most k.
+        for n in 0..31 {
+            assert_eq!(rounded(&c, n, 4), n);
+        }
+        // 31 = 0b11111: 30 and 32 are both 1 away; ties round up.
+        assert_eq!(rounded(&c, 31, 4), 32);
+        // 0b101011 = 43: 42 (0b101010) is 1 below, 44 (0b101100) 1 above: up.
+        assert_eq!(rounded(&c, 43, 3), 44);
+        // 0b1000_0111 = 135, k = 2: 132 is 3 below, 136 1 above.
+        assert_eq!(rounded(&c, 135, 2), 136);
+        // 0b1011 = 11, k = 1: 8 is 3 below, 16 is 5 above.
+        assert_eq!(rounded(&c, 11, 1), 8);
+        // A non-zero delay below a tick is one tick, as in route().
+        assert_eq!(c.round_to_hops(Duration::from_nanos(1), 1), ms(10));
+        assert_eq!(c.round_to_hops(Duration::ZERO, 4), Duration::ZERO);
+        // k = 0: unchanged, to the nanosecond.
+        let odd = Duration::from_nanos(123_456_789);
+        assert_eq!(c.round_to_hops(odd, 0), odd);
+        assert_eq!(c.clone().jittered_hops(0).round_jittered(odd), odd);
+        // A delay between ticks is rounded from its tick count, rounded up.
+        assert_eq!(c.round_to_hops(ms(305), 4), ms(320));
+    }
+
+    #[test]
+    fn round_to_hops_at_the_maximum() {
+        // 4 levels: max 15 ticks = 0b1111; rounding up (16) would pass it.
+        let c = DelayConfig::new().levels(4);
+        assert_eq!(rounded(&c, 15, 3), 14);
+        assert_eq!(rounded(&c, 15, 2), 12);
+        assert_eq!(rounded(&c, 15, 4), 15);
+        assert_eq!(rounded(&c, 13, 2), 12);
+        assert_eq!(rounded(&c, 7, 2), 8);
+        // Over the maximum: unchanged for route() to refuse it...
+        let over = ms(151);
+        assert_eq!(c.round_to_hops(over, 2), over);
+        assert!(matches!(
+            c.route("q", c.round_to_hops(over, 2)),
+            Err(DelayError::TooLong { .. })
+        ));
+        // ...or rounded from the maximum when clamping.
+        let clamped = c.clone().clamp_over_max(true);
+        assert_eq!(clamped.round_to_hops(ms(10_000), 2), ms(120));
+        // An invalid configuration: unchanged (route() refuses it).
+        let bad = DelayConfig::new().granularity(Duration::ZERO);
+        assert_eq!(bad.round_to_hops(ms(310), 4), ms(310));
+    }
+
+    mod props {
+        use super::*;
+        use proptest::prelude::*;
+
+        fn config() -> impl Strategy<Value = (DelayConfig, u8)> {
+            // Levels and granularity that validate(), k from 1 to past the level count.
+            (1u8..=32, 1u64..=20, 1u8..=34).prop_filter_map("valid", |(levels, g, k)| {
+                let c = DelayConfig::new().levels(levels).granularity(ms(g));
+                c.validate().is_ok().then_some((c, k))
+            })
+        }
+
+        /// Delays up to the maximum, dense in small values as well as large ones.
+        fn delay_in(c: &DelayConfig, x: u64, shift: u32) -> Duration {
+            let max = u64::try_from(c.max_delay().as_nanos()).unwrap();
+            Duration::from_nanos((x >> (shift % 64)) % (max + 1))
+        }
+
+        fn ticks(c: &DelayConfig, d: Duration) -> u64 {
+            let n = d.as_nanos().div_ceil(c.configured_granularity().as_nanos());
+            u64::try_from(n).unwrap()
+        }
+
+        proptest! {
+            #![proptest_config(ProptestConfig::with_cases(2000))]
+
+            /// At most k hops, never above the maximum, whole ticks, non-zero stays non-zero,
+            /// and the error bounds of the docs, in ticks of route().
+            #[test]
+            fn bits_and_error((c, k) in config(), x in any::<u64>(), s in 0u32..64) {
+                let d = delay_in(&c, x, s);
+                let r = c.round_to_hops(d, k);
+                let n = ticks(&c, d);
+                let rt = ticks(&c, r);
+                let route = c.route("q", r).unwrap();
+                prop_assert_eq!(route.ticks, rt);
+                prop_assert_eq!(route.effective, r);
+                prop_assert!(rt.count_ones() <= u32::from(k));
+                prop_assert!(r <= c.max_delay());
+                prop_assert_eq!(rt == 0, d.is_zero());
+                let err = u128::from(rt.abs_diff(n));
+                let n = u128::from(n);
+                // Below n * 2^-k always.
+                prop_assert!(err == 0 || (err << k) < n, "err {} n {} k {}", err, n, k);
+                // Within n / (2^(k+1) - 1) unless rounding up would pass the maximum.
+                let max = (1u128 << c.configured_levels()) - 1;
+                let top_k = max - ((1u128 << c.configured_levels().saturating_sub(k)) - 1);
+                if n < top_k || k >= c.configured_levels() {
+                    prop_assert!(err * ((2u128 << k) - 1) <= n, "err {} n {} k {}", err, n, k);
+                }
+            }
+
+            #[test]
+            fn monotonic_and_idempotent(
+                (c, k) in config(), x in any::<u64>(), y in any::<u64>(), s in 0u32..64,
+            ) {
+                let (a, b) = (delay_in(&c, x, s), delay_in(&c, y, s));
+                let (lo, hi) = (a.min(b), a.max(b));
+                prop_assert!(c.round_to_hops(lo, k) <= c.round_to_hops(hi, k));
+                let r = c.round_to_hops(a, k);
+                prop_assert_eq!(c.round_to_hops(r, k), r);
+            }
+
+            /// Near neighbours too: consecutive tick counts never round out of order.
+            #[test]
+            fn monotonic_on_neighbours((c, k) in config(), x in any::<u64>(), s in 0u32..64) {
+                let d = delay_in(&c, x, s);
+                let next = (d + c.configured_granularity()).min(c.max_delay());
+                prop_assert!(c.round_to_hops(d, k) <= c.round_to_hops(next, k));
+            }
+
+            /// The nearest: no value with at most k bits (and at most the maximum) is closer.
+            #[test]
+            fn nearest(n in 1u64..5000, k in 1u32..6) {
+                let r = nearest_with_bits(n, k, u64::MAX);
+                let best = (0..=2 * n)
+                    .filter(|v| v.count_ones() <= k)
+                    .map(|v| v.abs_diff(n))
+                    .min()
+                    .unwrap();
+                prop_assert_eq!(r.abs_diff(n), best);
+            }
+        }
     }
 }

@@ -65,7 +65,7 @@ mod topology;
 pub use lapin;
 
 pub use declare::{passive_exchange, passive_queue, QueueType, OPERATOR_DELIVERY_LIMIT};
-pub use delay::{DelayConfig, DelayRoute, OverMax};
+pub use delay::{DelayConfig, DelayRoute, OverMax, DEFAULT_JITTERED_HOPS};
 pub use delete::{HeldMessages, QueueMessages};
 pub use error::{is_not_found, DelayConfigError, DelayError, TopologyError};
 pub use frame_guard::{headers_removed, HeadersRemoved, HEADERS_REMOVED, MAX_HEADER_DEPTH};

@@ -67,6 +67,8 @@ pub enum Scenario {
     Outbox,
     /// The outbox relay with 1 % of the rows refused by the broker, against none: good rows/s.
     OutboxRefused,
+    /// Jittered retry delays published exact against rounded to few delay-level hops.
+    Hops,
 }
 
 impl Scenario {
@@ -81,6 +83,7 @@ impl Scenario {
             Scenario::Inbox,
             Scenario::Outbox,
             Scenario::OutboxRefused,
+            Scenario::Hops,
         ]
     }
 
@@ -124,6 +127,8 @@ pub struct Sizes {
     pub outbox_latency: u64,
     /// Scenarios 8 and 9: rows committed before the relay starts, for its rows/s.
     pub outbox_backlog: u64,
+    /// Scenario 10: messages that fail 7 times each with a jittered policy.
+    pub hops: u64,
 }
 
 impl Sizes {
@@ -147,6 +152,7 @@ impl Sizes {
             // 6 s at 500/s.
             outbox_latency: 3_000,
             outbox_backlog: 20_000,
+            hops: 2_000,
         }
     }
 
@@ -167,6 +173,7 @@ impl Sizes {
             inbox_paced_rate: 500,
             outbox_latency: 500,
             outbox_backlog: 1_000,
+            hops: 200,
         }
     }
 }

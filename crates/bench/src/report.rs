@@ -282,6 +282,7 @@ pub struct Report {
     pub inflight: Vec<InflightRow>,
     pub outbox: Vec<OutboxRow>,
     pub outbox_refused: Vec<OutboxRefusedRow>,
+    pub hops: Vec<crate::scenarios::HopsRow>,
     pub targets: Vec<Target>,
     pub errors: Vec<String>,
 }
@@ -409,6 +410,9 @@ impl Report {
         }
         if !self.outbox_refused.is_empty() {
             self.render_outbox_refused(&mut s);
+        }
+        if !self.hops.is_empty() {
+            crate::scenarios::render_hops(&self.hops, &mut s);
         }
         if !self.scale.is_empty() {
             self.render_scale(&mut s);

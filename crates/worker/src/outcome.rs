@@ -8,7 +8,10 @@ use std::time::Duration;
 
 use lapin::types::FieldTable;
 use redeliver_amqp::headers::RetryState;
-use redeliver_core::{Decision, ErrorKind, Forward, HandlerError, RetryPolicy, TimedOut};
+use redeliver_core::{
+    BudgetExhausted, Decision, ErrorKind, Forward, HandlerError, Jitter, RetryBudget, RetryPolicy,
+    TimedOut,
+};
 
 use crate::metrics_names;
 
@@ -22,6 +25,11 @@ pub(crate) enum Outcome {
         delay: Duration,
         /// `x-redeliver-attempt` of the copy.
         attempt: u32,
+        /// `delay` is a draw of the policy's jitter, random anyway: it is published rounded to
+        /// few delay-level hops ([`DelayConfig::round_jittered`](redeliver_amqp::DelayConfig::round_jittered)).
+        /// False for a `retry_after` delay, an unjittered backoff and a retry budget's fixed
+        /// delay, which stay exact.
+        jittered: bool,
         error: String,
     },
     /// Move it to the DLQ the configured way.
@@ -65,6 +73,7 @@ impl Outcome {
             Decision::Retry { delay, attempt } => Outcome::Retry {
                 delay,
                 attempt,
+                jittered: jittered(policy, &error, delay),
                 error: message,
             },
             Decision::DeadLetter(reason) => Outcome::DeadLetter {
@@ -92,6 +101,22 @@ impl Outcome {
             error: redeliver_core::error_chain(error),
         }
     }
+}
+
+/// Whether a retry's `delay` came from the policy's jitter: a jittered policy, an error that
+/// did not name its delay (`retry_after`, by the handler or the classifier), and not a retry
+/// budget's "retry later" delay (the budget takes the longer of it and the backoff's draw).
+fn jittered(policy: &RetryPolicy, error: &HandlerError, delay: Duration) -> bool {
+    if policy.configured_jitter() == Jitter::None {
+        return false;
+    }
+    if let ErrorKind::RetryAfter(_) = policy.configured_classifier().classify(error) {
+        return false;
+    }
+    !matches!(
+        policy.configured_budget().map(RetryBudget::when_exhausted),
+        Some(BudgetExhausted::RetryLater(later)) if later == delay
+    )
 }
 
 /// Why a failure is forwarded, as the copy's header says it.
@@ -165,7 +190,6 @@ fn panic_message(payload: &(dyn Any + Send)) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use redeliver_core::Jitter;
 
     fn policy() -> RetryPolicy {
         RetryPolicy::exponential(Duration::from_millis(100))
@@ -186,10 +210,12 @@ mod tests {
             Outcome::Retry {
                 attempt,
                 delay,
+                jittered,
                 error,
             } => {
                 assert_eq!(attempt, 1);
                 assert_eq!(delay, Duration::from_millis(100));
+                assert!(!jittered, "no jitter: exact");
                 assert!(error.contains("down"));
             }
             other => panic!("expected retry, got {other:?}"),
@@ -226,6 +252,30 @@ mod tests {
             Outcome::decide(&p, &state, fail(HandlerError::retry_after(Duration::from_secs(7), "later"))),
             Outcome::Retry { delay, attempt: 1, .. } if delay == Duration::from_secs(7)
         ));
+    }
+
+    #[test]
+    fn only_jitter_draws_are_jittered() {
+        let jittered = |p: &RetryPolicy, e: HandlerError| match Outcome::decide(
+            p,
+            &RetryState::default(),
+            fail(e),
+        ) {
+            Outcome::Retry { jittered, .. } => jittered,
+            other => panic!("expected retry, got {other:?}"),
+        };
+        let full = policy().jitter(Jitter::Full);
+        assert!(jittered(&full, HandlerError::transient("down")));
+        assert!(jittered(&full, HandlerError::unclassified("down")));
+        assert!(!jittered(&policy(), HandlerError::transient("down")));
+        let later = HandlerError::retry_after(Duration::from_secs(7), "later");
+        assert!(!jittered(&full, later));
+        // A classifier's retry_after is exact too.
+        let classified = full.clone().classifier(
+            redeliver_core::Classifier::default()
+                .with_fn(|_| Some(ErrorKind::RetryAfter(Duration::from_secs(3)))),
+        );
+        assert!(!jittered(&classified, HandlerError::unclassified("429")));
     }
 
     #[test]

@@ -128,6 +128,7 @@ impl Session {
             requeue_limit: settings.requeue_limit,
             connection_name: config.connection_name(),
             max_delay: delay.max_delay(),
+            delay_levels: delay.clone(),
             username: connection.status().username(),
             // Unknown version: assume 3.x, whose dead-lettering crashes on such a header.
             dead_letters_malformed_x_death: version

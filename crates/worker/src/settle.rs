@@ -19,7 +19,7 @@ use std::time::Duration;
 use lapin::message::Delivery;
 use lapin::BasicProperties;
 use redeliver_amqp::headers::{self, DeadLetterInfo, ForwardInfo, RetryState};
-use redeliver_amqp::PublishError;
+use redeliver_amqp::{DelayConfig, PublishError};
 use redeliver_core::Forward;
 use tokio_util::sync::CancellationToken;
 use tracing::{error, info, warn, Span};
@@ -53,6 +53,9 @@ pub(crate) struct Rules {
     pub(crate) connection_name: String,
     /// Longest delay the delay levels can hold; longer ones are clamped.
     pub(crate) max_delay: Duration,
+    /// The delay levels: jittered retry delays are rounded to their hop limit
+    /// ([`DelayConfig::round_jittered`]).
+    pub(crate) delay_levels: DelayConfig,
     /// The connection's user: a copy keeps a `user_id` only if it is this one.
     pub(crate) username: String,
     /// The broker dead-letters a message with a malformed `x-death` without crashing (so a
@@ -154,8 +157,9 @@ impl<B: Broker> Settle<'_, B> {
             Outcome::Retry {
                 delay,
                 attempt,
+                jittered,
                 error,
-            } => Box::pin(self.retry(delay, attempt, &error)).await,
+            } => Box::pin(self.retry(delay, attempt, jittered, &error)).await,
             Outcome::DeadLetter { reason, error } => {
                 Box::pin(self.dead_letter(reason, &error)).await
             }
@@ -184,7 +188,10 @@ impl<B: Broker> Settle<'_, B> {
         }
     }
 
-    async fn retry(&self, delay: Duration, attempt: u32, error: &str) -> Settled {
+    /// Publishes the retry copy, confirmed, then acks the original. A `jittered` delay is random
+    /// anyway: it is rounded to the delay levels' hop limit first, and the copy records the
+    /// rounded delay (the next decision's `prev_delay`), as does the log line.
+    async fn retry(&self, delay: Duration, attempt: u32, jittered: bool, error: &str) -> Settled {
         let msg = &self.message;
         if !self.broker.is_open() {
             return self.failed("retry", Ok(false));
@@ -193,6 +200,11 @@ impl<B: Broker> Settle<'_, B> {
         let delay = if delay > max {
             warn!(requested = ?delay, max = ?max, "retry delay above the delay infrastructure's maximum; using the maximum");
             max
+        } else {
+            delay
+        };
+        let delay = if jittered {
+            self.rules.delay_levels.round_jittered(delay)
         } else {
             delay
         };

@@ -2,6 +2,7 @@
 
 mod delay;
 mod happy;
+mod hops;
 mod inbox;
 mod inflight;
 mod outbox;
@@ -9,6 +10,8 @@ mod outbox_refused;
 mod park;
 mod retry;
 mod scale;
+
+pub use hops::{render as render_hops, HopsRow};
 
 use std::path::PathBuf;
 use std::sync::atomic::AtomicU64;
@@ -476,6 +479,7 @@ async fn run_scenarios(ctx: &Ctx, only: &[Scenario], report: &mut Report) -> Res
             Scenario::Inbox => inbox::run(ctx, report).await,
             Scenario::Outbox => outbox::run(ctx, report).await,
             Scenario::OutboxRefused => outbox_refused::run(ctx, report).await,
+            Scenario::Hops => hops::run(ctx, report).await,
         };
         if let Err(e) = r {
             eprintln!("scenario {s:?} failed: {e:#}");

@@ -9,6 +9,7 @@ use lapin::message::Delivery;
 use lapin::types::{AMQPValue, FieldArray, FieldTable, ShortString};
 use lapin::BasicProperties;
 use redeliver_amqp::headers::{self, ForwardInfo, RetryState};
+use redeliver_amqp::DelayConfig;
 use redeliver_core::{Classifier, Forward, HandlerError, Jitter, RetryPolicy, TimedOut};
 
 use super::{start, Deliveries};
@@ -49,6 +50,7 @@ fn rules(mode: DeadLetterMode) -> Rules {
         requeue_limit: 2,
         connection_name: "test-worker".into(),
         max_delay: Duration::from_secs(3600),
+        delay_levels: DelayConfig::default(),
         username: "guest".into(),
         dead_letters_malformed_x_death: true,
     }
@@ -182,6 +184,96 @@ async fn retry_after_uses_the_handlers_delay() {
             delay: Duration::from_secs(7)
         }
     );
+}
+
+/// Hops of a delay through the test rules' delay levels (10 ms ticks).
+fn hops(delay: Duration) -> u32 {
+    DelayConfig::default()
+        .route(QUEUE, delay)
+        .expect("a routable delay")
+        .ticks
+        .count_ones()
+}
+
+/// 37.23 s = 3723 ticks of 10 ms = 0b1110_1000_1011: 7 hops when exact.
+const SEVEN_HOPS: Duration = Duration::from_millis(37_230);
+
+/// The delay of each retry copy published so far.
+fn published_delays(b: &FakeBroker) -> Vec<Duration> {
+    b.calls()
+        .into_iter()
+        .filter_map(|c| match c {
+            Call::PublishDelayed { delay, .. } => Some(delay),
+            _ => None,
+        })
+        .collect()
+}
+
+#[tokio::test]
+async fn a_jittered_retry_is_published_in_at_most_four_hops() {
+    // Full jitter over 0-40 s: 12-bit tick counts, 6 bits set on average.
+    let jittered = || {
+        RetryPolicy::exponential(Duration::from_secs(40))
+            .cap(Duration::from_secs(60))
+            .jitter(Jitter::Full)
+            .max_retries(3)
+            .seed(38)
+    };
+    // Same seed: the draws the worker makes, one per delivery.
+    let twin = jittered();
+    let h = Harness::new(
+        builder()
+            .policy(jittered())
+            .handler(|_: Raw, _| async { Err(HandlerError::transient("503")) }),
+        DeadLetterMode::Reject,
+        FakeBroker::new(),
+    );
+    let levels = DelayConfig::default();
+    let mut rounded = 0;
+    for _ in 0..100 {
+        h.deliver(order()).await;
+        let exact = twin.delay_for(0, None);
+        let published = *published_delays(h.broker()).last().expect("a retry copy");
+        assert_eq!(published, levels.round_jittered(exact), "drawn {exact:?}");
+        assert!(
+            hops(published) <= 4,
+            "{published:?}: {} hops",
+            hops(published)
+        );
+        // The copy records the rounded delay: the next decision's prev_delay.
+        assert_eq!(published_retry_state(h.broker()).delay, Some(published));
+        rounded += usize::from(hops(exact) > 4);
+    }
+    assert!(
+        rounded > 30,
+        "only {rounded} of 100 draws had more than 4 hops"
+    );
+}
+
+#[tokio::test]
+async fn retry_after_and_unjittered_delays_stay_exact() {
+    let full = policy().jitter(Jitter::Full);
+    let h = Harness::new(
+        builder().policy(full).handler(|_: Raw, _| async {
+            Err(HandlerError::retry_after(SEVEN_HOPS, "rate limited"))
+        }),
+        DeadLetterMode::Reject,
+        FakeBroker::new(),
+    );
+    h.deliver(order()).await;
+    assert_eq!(published_delays(h.broker()), [SEVEN_HOPS]);
+    assert_eq!(hops(SEVEN_HOPS), 7);
+    assert_eq!(published_retry_state(h.broker()).delay, Some(SEVEN_HOPS));
+
+    let h = Harness::new(
+        builder()
+            .policy(RetryPolicy::constant(SEVEN_HOPS).jitter(Jitter::None))
+            .handler(|_: Raw, _| async { Err(HandlerError::transient("503")) }),
+        DeadLetterMode::Reject,
+        FakeBroker::new(),
+    );
+    h.deliver(order()).await;
+    assert_eq!(published_delays(h.broker()), [SEVEN_HOPS]);
 }
 
 #[tokio::test]

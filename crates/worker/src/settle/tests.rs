@@ -24,6 +24,7 @@ fn rules(mode: DeadLetterMode) -> Rules {
         requeue_limit: 2,
         connection_name: "test-worker".into(),
         max_delay: Duration::from_secs(60),
+        delay_levels: redeliver_amqp::DelayConfig::default(),
         username: "guest".into(),
         dead_letters_malformed_x_death: true,
     }
@@ -78,6 +79,7 @@ fn retry(delay_ms: u64) -> Outcome {
     Outcome::Retry {
         delay: Duration::from_millis(delay_ms),
         attempt: 1,
+        jittered: false,
         error: "timeout".into(),
     }
 }
@@ -136,6 +138,30 @@ async fn retry_delay_is_clamped_to_the_levels_maximum() {
             delay: Duration::from_secs(60)
         }
     );
+}
+
+#[tokio::test]
+async fn a_jittered_retry_delay_is_clamped_then_rounded_and_recorded_rounded() {
+    let f = Fixture::new(DeadLetterMode::Reject);
+    let b = FakeBroker::new();
+    let jittered = Outcome::Retry {
+        delay: Duration::from_secs(3600),
+        attempt: 1,
+        jittered: true,
+        error: "timeout".into(),
+    };
+    assert_eq!(f.run(&b, jittered).await, Settled::Retried);
+    // 60 s = 6000 ticks = 0b1_0111_0111_0000 (7 hops) -> 0b1_0111_0000_0000 = 5888 ticks.
+    let rounded = Duration::from_millis(58_880);
+    assert_eq!(
+        b.calls()[0],
+        Call::PublishDelayed {
+            queue: "orders".into(),
+            delay: rounded
+        }
+    );
+    let state = RetryState::read(Some(&b.published_headers()));
+    assert_eq!(state.delay, Some(rounded));
 }
 
 #[tokio::test(start_paused = true)]
