@@ -69,8 +69,7 @@
 //! # }
 //! ```
 
-#![warn(missing_docs, unreachable_pub, missing_debug_implementations)]
-#![forbid(unsafe_code)]
+// Lints: `[workspace.lints]` in Cargo.toml.
 
 pub mod policy {
     //! Advanced: the whole `redeliver-core` crate, the retry policy. Its everyday types are

@@ -2,6 +2,15 @@
 //! a PostgreSQL schema of their own holding the inbox, the outbox and the business table
 //! `effects`, dropped at the end (also when the test fails), the exactly-once check, and the
 //! outbox's per-message-id check ([`assert_published`]).
+
+// Test code: a failed expectation panics, in test helpers as in tests (the workspace lints
+// forbid it in library code); helpers are `pub` for the test files that include this module.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    unreachable_pub
+)]
 #![allow(dead_code)] // each test binary uses some of these
 
 use std::collections::{BTreeMap, HashSet};

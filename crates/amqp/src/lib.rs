@@ -35,12 +35,7 @@
 //! # Ok(()) }
 //! ```
 
-#![warn(missing_docs, missing_debug_implementations, unreachable_pub)]
-#![forbid(unsafe_code)]
-#![cfg_attr(
-    not(test),
-    warn(clippy::unwrap_used, clippy::expect_used, clippy::panic)
-)]
+// Lints: `[workspace.lints]` in Cargo.toml.
 
 // One path per item: `headers`, `properties` and `url` are namespaces of constants and free
 // functions and stay public, with their types; every other module is private and its public

@@ -3,8 +3,7 @@
 //! Kept thin: argument parsing is in `cli`, each command in its own module, error texts and
 //! exit codes in `errors`.
 
-#![warn(missing_debug_implementations, unreachable_pub)]
-#![forbid(unsafe_code)]
+// Lints: `[workspace.lints]` in Cargo.toml.
 
 mod app;
 mod browse;

@@ -128,9 +128,7 @@
 //! }
 //! ```
 
-#![deny(missing_docs)]
-#![warn(missing_debug_implementations, unreachable_pub)]
-#![forbid(unsafe_code)]
+// Lints: `[workspace.lints]` in Cargo.toml.
 
 mod backoff;
 mod budget;

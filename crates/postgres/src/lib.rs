@@ -79,8 +79,7 @@
 //! # Ok(()) }
 //! ```
 
-#![warn(missing_docs, unreachable_pub, missing_debug_implementations)]
-#![forbid(unsafe_code)]
+// Lints: `[workspace.lints]` in Cargo.toml.
 
 mod error;
 mod inbox;

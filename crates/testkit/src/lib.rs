@@ -10,7 +10,14 @@
 //! from [`examples`] and run under [`process`]; [`http`] reads health and metrics endpoints;
 //! [`reliability`] is the conservation harness of the reliability suite.
 
-#![warn(missing_docs)]
+// Lints: `[workspace.lints]` in Cargo.toml, but test support code panics, as the tests do: a
+// failed expectation is a failed test. Its types are internal and need no `Debug`.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    missing_debug_implementations
+)]
 
 use std::collections::HashMap;
 use std::time::{Duration, Instant};

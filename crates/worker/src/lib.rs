@@ -115,8 +115,7 @@
 //! or after a 2 ms linger. A worker killed in between has its message redelivered (at least once,
 //! as for any ack the broker has not received).
 
-#![warn(missing_docs, unreachable_pub, missing_debug_implementations)]
-#![forbid(unsafe_code)]
+// Lints: `[workspace.lints]` in Cargo.toml.
 
 // The delivery path, top-down, each step calling only the ones below it: `runtime` (reconnect
 // loop) -> `session` (one connection) -> `delivery` (decode, call the handler) -> `outcome`

@@ -3,6 +3,9 @@
 //! even when the test panics. Connection, counting, draining and rejecting come from
 //! `redeliver-testkit`.
 
+// Test code: helpers are `pub` for the test files that include this module.
+#![allow(unreachable_pub)]
+
 use std::process::Command;
 
 use redeliver_testkit::amqp_url;
