@@ -36,6 +36,8 @@
 //! ```
 
 // Lints: `[workspace.lints]` in Cargo.toml.
+// docs.rs marks the items of optional features with the feature they need.
+#![cfg_attr(docsrs, feature(doc_cfg))]
 
 // One path per item: `headers`, `properties` and `url` are namespaces of constants and free
 // functions and stay public, with their types; every other module is private and its public
@@ -43,6 +45,7 @@
 pub mod headers;
 pub mod properties;
 #[cfg(feature = "otel")]
+#[cfg_attr(docsrs, doc(cfg(feature = "otel")))]
 pub mod trace_context;
 pub mod url;
 

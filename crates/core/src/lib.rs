@@ -129,6 +129,8 @@
 //! ```
 
 // Lints: `[workspace.lints]` in Cargo.toml.
+// docs.rs marks the items of optional features with the feature they need.
+#![cfg_attr(docsrs, feature(doc_cfg))]
 
 mod backoff;
 mod budget;

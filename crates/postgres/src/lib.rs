@@ -80,6 +80,8 @@
 //! ```
 
 // Lints: `[workspace.lints]` in Cargo.toml.
+// docs.rs marks the items of optional features with the feature they need.
+#![cfg_attr(docsrs, feature(doc_cfg))]
 
 mod error;
 mod inbox;

@@ -116,6 +116,8 @@
 //! as for any ack the broker has not received).
 
 // Lints: `[workspace.lints]` in Cargo.toml.
+// docs.rs marks the items of optional features with the feature they need.
+#![cfg_attr(docsrs, feature(doc_cfg))]
 
 // The delivery path, top-down, each step calling only the ones below it: `runtime` (reconnect
 // loop) -> `session` (one connection) -> `delivery` (decode, call the handler) -> `outcome`
@@ -132,6 +134,7 @@ mod error;
 mod fake;
 mod handler;
 #[cfg(feature = "health")]
+#[cfg_attr(docsrs, doc(cfg(feature = "health")))]
 pub mod health;
 mod link;
 mod meters;
