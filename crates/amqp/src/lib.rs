@@ -21,8 +21,8 @@
 //!
 //! ```no_run
 //! # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
-//! use redeliver_amqp::lapin::{Connection, ConnectionProperties};
-//! use redeliver_amqp::{Publisher, Topology};
+//! use redeliver::lapin::{Connection, ConnectionProperties};
+//! use redeliver::{Publisher, Topology};
 //! use std::time::Duration;
 //!
 //! let conn = Connection::connect("amqp://guest:guest@127.0.0.1:5672/%2f", ConnectionProperties::default()).await?;

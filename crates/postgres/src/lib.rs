@@ -39,8 +39,9 @@
 //! features and pass the pool.
 //!
 //! ```no_run
-//! use redeliver_postgres::{Inbox, Relay, Schema, TransactionalHandler, Tx};
-//! use redeliver_worker::{CancellationToken, Context, HandlerError, Raw, Worker};
+//! use redeliver::postgres::{Inbox, Relay, Schema, TransactionalHandler, Tx};
+//! use redeliver::{CancellationToken, Context, HandlerError, Raw, Worker};
+//! use redeliver::postgres::sqlx;
 //!
 //! struct Record;
 //!

@@ -4,7 +4,7 @@
 //!
 //! ```no_run
 //! use std::time::Duration;
-//! use redeliver_worker::{Context, HandlerError, Json, RetryPolicy, Worker};
+//! use redeliver::{Context, HandlerError, Json, RetryPolicy, Worker};
 //!
 //! #[derive(serde::Deserialize)]
 //! struct ImageJob { url: String }
@@ -12,7 +12,7 @@
 //! async fn fetch(_url: &str) -> anyhow::Result<Vec<u8>> { Ok(Vec::new()) }
 //!
 //! #[tokio::main]
-//! async fn main() -> Result<(), redeliver_worker::WorkerError> {
+//! async fn main() -> Result<(), redeliver::WorkerError> {
 //!     Worker::builder("amqp://guest:guest@127.0.0.1:5672/%2f")
 //!         .queue("images")
 //!         .policy(RetryPolicy::exponential(Duration::from_millis(500)).max_retries(5))

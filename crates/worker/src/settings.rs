@@ -56,7 +56,7 @@ impl std::str::FromStr for DeadLetterMode {
 /// [`WorkerBuilder`](crate::WorkerBuilder#defaults).
 ///
 /// ```
-/// use redeliver_worker::Worker;
+/// use redeliver::Worker;
 /// let builder = Worker::builder("amqp://127.0.0.1:5672/%2f").queue("images").prefetch(32);
 /// assert_eq!(builder.settings().queue(), Some("images"));
 /// assert_eq!(builder.settings().prefetch(), Some(32));
