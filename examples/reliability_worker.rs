@@ -363,6 +363,8 @@ impl App {
             Behaviour::Permanent => {
                 return Err(HandlerError::permanent("injected permanent error"))
             }
+            // The injected fault itself: a handler that panics.
+            #[allow(clippy::panic)]
             Behaviour::Panic => panic!("injected panic for {id} (attempt {attempt})"),
             // No unwinding, no shutdown: the connection drops with the delivery unacked.
             Behaviour::Abort => std::process::abort(),

@@ -69,8 +69,9 @@
 //! # }
 //! ```
 
-#![warn(missing_docs, unreachable_pub, missing_debug_implementations)]
-#![forbid(unsafe_code)]
+// Lints: `[workspace.lints]` in Cargo.toml.
+// docs.rs marks the items of optional features with the feature they need.
+#![cfg_attr(docsrs, feature(doc_cfg))]
 
 pub mod policy {
     //! Advanced: the whole `redeliver-core` crate, the retry policy. Its everyday types are
@@ -96,6 +97,7 @@ pub mod worker {
 }
 
 #[cfg(feature = "postgres")]
+#[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
 pub mod postgres {
     //! The whole `redeliver-postgres` crate (feature `postgres`): the transactional inbox and
     //! outbox. See [`Inbox`], [`Outbox`] and [`Relay`].

@@ -3,6 +3,10 @@
 //! `redeliver_*` name in their PromQL is a constant of `redeliver::worker::metrics_names`, so a
 //! renamed metric fails here instead of leaving an empty panel or an alert that never fires.
 
+// Test code: a failed expectation panics, in test helpers as in tests (the workspace lints
+// forbid it in library code).
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
 use std::collections::BTreeSet;
 
 use redeliver::worker::metrics_names as m;

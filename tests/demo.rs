@@ -5,6 +5,10 @@
 //! is checked too: `cargo test --workspace` builds it next to this test, and a narrower run
 //! builds it first.
 
+// Test code: a failed expectation panics, in test helpers as in tests (the workspace lints
+// forbid it in library code).
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
 #[path = "../examples/image_processing/job.rs"]
 mod job;
 #[path = "../examples/demo/run.rs"]

@@ -1,5 +1,9 @@
 //! The deployment files can't be run here (no container engine), so their key fields are checked.
 
+// Test code: a failed expectation panics, in test helpers as in tests (the workspace lints
+// forbid it in library code).
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
 use serde_norway::Value;
 
 fn load(path: &str) -> Value {

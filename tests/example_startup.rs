@@ -3,6 +3,10 @@
 //! process keeps trying instead of exiting (no CrashLoopBackOff); once the broker answers, it
 //! becomes ready and consumes.
 
+// Test code: a failed expectation panics, in test helpers as in tests (the workspace lints
+// forbid it in library code).
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
 use std::net::{SocketAddr, TcpListener};
 use std::path::Path;
 use std::process::Command;

@@ -3,6 +3,10 @@
 //! while draining; 200 when consuming. `/livez` stays 200 throughout: it never depends on the
 //! broker.
 
+// Test code: a failed expectation panics, in test helpers as in tests (the workspace lints
+// forbid it in library code).
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
 use std::net::SocketAddr;
 use std::time::Duration;
 

@@ -7,6 +7,10 @@
 //! 5691, of the `RD_CLUSTER_CHROOT` version when set) started with `scripts/cluster.sh` and
 //! removed afterwards: the default broker other suites use is not restarted.
 
+// Test code: a failed expectation panics, in test helpers as in tests (the workspace lints
+// forbid it in library code).
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
 #[path = "inbox_support/effects_db.rs"]
 mod effects_db;
 

@@ -15,6 +15,10 @@
 //! a schema of its own, dropped at the end. Without PostgreSQL or RabbitMQ the tests fail
 //! saying how to start them.
 
+// Test code: a failed expectation panics, in test helpers as in tests (the workspace lints
+// forbid it in library code).
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
 #[path = "inbox_support/effects_db.rs"]
 mod effects_db;
 

@@ -8,6 +8,10 @@
 //! no other test of this binary may run beside it. PostgreSQL is left running whatever
 //! happens: a guard starts it again when the test fails between the stop and the start.
 
+// Test code: a failed expectation panics, in test helpers as in tests (the workspace lints
+// forbid it in library code).
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
 #[path = "inbox_support/effects_db.rs"]
 mod effects_db;
 

@@ -5,6 +5,10 @@
 //!
 //! The PromQL of the alerts is checked against the metric-name constants in `tests/dashboard.rs`.
 
+// Test code: a failed expectation panics, in test helpers as in tests (the workspace lints
+// forbid it in library code).
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
 use std::path::{Path, PathBuf};
 
 use serde::Deserialize;

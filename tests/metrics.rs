@@ -4,6 +4,10 @@
 //! One test in this file on purpose: the Prometheus recorder is process-wide, and every
 //! integration test file is a process of its own. The assertions are also queue-label specific.
 
+// Test code: a failed expectation panics, in test helpers as in tests (the workspace lints
+// forbid it in library code).
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};

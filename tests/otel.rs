@@ -3,6 +3,10 @@
 //! the publish), all with its trace id. A dead letter published by the worker itself
 //! (`DeadLetterMode::Annotate`) carries the same `traceparent` as the message it came from.
 
+// Test code: a failed expectation panics, in test helpers as in tests (the workspace lints
+// forbid it in library code).
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;

@@ -11,6 +11,10 @@
 //! the `rdsolo` node of the inbox and reliability restart tests, so this test never restarts
 //! or removes a node another test is using.
 
+// Test code: a failed expectation panics, in test helpers as in tests (the workspace lints
+// forbid it in library code).
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
 #[path = "inbox_support/commit_outbox.rs"]
 mod commit_outbox;
 #[path = "inbox_support/effects_db.rs"]

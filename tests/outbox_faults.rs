@@ -14,6 +14,10 @@
 //! `postgres://postgres@127.0.0.1:5432/test`), RabbitMQ at AMQP_URL (default 127.0.0.1:5672);
 //! without them the tests fail saying how to start them.
 
+// Test code: a failed expectation panics, in test helpers as in tests (the workspace lints
+// forbid it in library code).
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
 #[path = "inbox_support/commit_outbox.rs"]
 mod commit_outbox;
 #[path = "inbox_support/effects_db.rs"]

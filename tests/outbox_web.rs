@@ -7,6 +7,10 @@
 //! `DATABASE_URL` (default `postgres://postgres@127.0.0.1:5432/test`) or RabbitMQ at `AMQP_URL`
 //! the test fails, saying what to start.
 
+// Test code: a failed expectation panics, in test helpers as in tests (the workspace lints
+// forbid it in library code).
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
 use std::collections::BTreeMap;
 use std::net::{SocketAddr, TcpListener};
 use std::path::Path;

@@ -16,6 +16,10 @@
 //! declared through node 3, which is never stopped, so the quorum queues' leaders are on node 3:
 //! this exercises client failover and replicas going away, not leader elections.
 
+// Test code: a failed expectation panics, in test helpers as in tests (the workspace lints
+// forbid it in library code).
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
 use redeliver_testkit::reliability;
 
 use std::collections::HashSet;

@@ -13,6 +13,10 @@
 //! Only this scenario's worker connections are closed (matched by their client-provided
 //! connection names, which contain the scenario's unique prefix): other suites share the broker.
 
+// Test code: a failed expectation panics, in test helpers as in tests (the workspace lints
+// forbid it in library code).
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
 use redeliver_testkit::reliability;
 
 use std::collections::HashSet;

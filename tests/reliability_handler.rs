@@ -2,6 +2,10 @@
 //! both, retries the message like any transient failure, and dead-letters what keeps failing;
 //! nothing is lost.
 
+// Test code: a failed expectation panics, in test helpers as in tests (the workspace lints
+// forbid it in library code).
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
 use redeliver_testkit::reliability;
 
 use std::collections::{HashMap, HashSet};

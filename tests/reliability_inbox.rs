@@ -10,6 +10,10 @@
 //! `DELETE /api/connections/{name}`): retry copies cut off before their confirm send a message
 //! twice, and the inbox keeps one effect.
 
+// Test code: a failed expectation panics, in test helpers as in tests (the workspace lints
+// forbid it in library code).
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
 #[path = "inbox_support/effects_db.rs"]
 mod effects_db;
 

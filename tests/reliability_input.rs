@@ -2,6 +2,10 @@
 //! in the delay infrastructure's unroutable queue), after a bounded number of handler calls,
 //! and the worker keeps serving good messages afterwards. Nothing is lost.
 
+// Test code: a failed expectation panics, in test helpers as in tests (the workspace lints
+// forbid it in library code).
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
 use redeliver_testkit::reliability;
 use redeliver_testkit::Got;
 

@@ -8,6 +8,10 @@
 //! off by the kill makes the broker deliver it again (a duplicate). Each kill can cost at most
 //! the deliveries in flight, so both are bounded by prefetch x kills.
 
+// Test code: a failed expectation panics, in test helpers as in tests (the workspace lints
+// forbid it in library code).
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
 use redeliver_testkit::reliability;
 
 use std::collections::HashSet;

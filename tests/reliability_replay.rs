@@ -7,6 +7,10 @@
 //! queues (copy published or confirmed, DLQ copy not yet acked); every other unacked DLQ message
 //! goes back to the DLQ when the connection drops, and the next run moves it.
 
+// Test code: a failed expectation panics, in test helpers as in tests (the workspace lints
+// forbid it in library code).
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
 use redeliver_testkit::process::{LoggedChild, Output};
 use redeliver_testkit::reliability;
 

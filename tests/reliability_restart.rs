@@ -7,6 +7,10 @@
 //! removes afterwards; the default broker other suites use is not touched. Starting the node
 //! takes about 12 s.
 
+// Test code: a failed expectation panics, in test helpers as in tests (the workspace lints
+// forbid it in library code).
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
 use redeliver_testkit::reliability;
 
 use std::collections::HashSet;

@@ -2,6 +2,10 @@
 //! message is retried `max_retries` times; with the retry budget the retries are capped at the
 //! budget's share of first attempts, the rest goes straight to the DLQ, and nothing is lost.
 
+// Test code: a failed expectation panics, in test helpers as in tests (the workspace lints
+// forbid it in library code).
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
 use redeliver_testkit::reliability;
 
 use std::collections::HashSet;

@@ -7,7 +7,7 @@ use redeliver::worker::env::{LogFormat, ServiceSettings};
 
 /// Installs the subscriber. Without `RUST_LOG`, the `quiet` crates (lapin, sqlx: chatty at
 /// info) log warnings only, next to our info lines.
-pub fn init(cfg: &ServiceSettings, quiet: &[&str]) -> anyhow::Result<()> {
+pub(crate) fn init(cfg: &ServiceSettings, quiet: &[&str]) -> anyhow::Result<()> {
     let directives = match std::env::var_os("RUST_LOG") {
         Some(_) => cfg.log_filter.clone(),
         None => quiet.iter().fold(cfg.log_filter.clone(), |mut d, krate| {

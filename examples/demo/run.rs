@@ -31,7 +31,7 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 #[command(
     about = "The image_processing example's worker in one process: publishes jobs, consumes them with retries, prints what happened, deletes what it declared"
 )]
-pub struct Args {
+pub(crate) struct Args {
     /// Jobs to publish.
     #[arg(long, default_value_t = 50)]
     pub count: u32,
@@ -63,7 +63,7 @@ pub struct Args {
 
 /// Number of failed attempts of `job` before it succeeds, or `None` when every attempt up to
 /// `max_retries` fails (it is then dead-lettered after `max_retries` retries).
-pub fn failures_before_success(job: &ImageJob, max_retries: u32) -> Option<u32> {
+pub(crate) fn failures_before_success(job: &ImageJob, max_retries: u32) -> Option<u32> {
     (0..=max_retries).find(|&a| !fetch_fails(job, a))
 }
 
@@ -79,7 +79,7 @@ struct Observed {
 
 /// Delays of the retries with one attempt number.
 #[derive(Debug, Clone, PartialEq)]
-pub struct AttemptDelays {
+pub(crate) struct AttemptDelays {
     /// `x-redeliver-attempt` of the retry copies (1 = first retry).
     pub attempt: u32,
     /// Retry copies delivered with this attempt number.
@@ -93,7 +93,7 @@ pub struct AttemptDelays {
 
 /// Outcome of a demo run.
 #[derive(Debug, Clone, PartialEq)]
-pub struct Summary {
+pub(crate) struct Summary {
     /// Well-formed jobs published.
     pub jobs: u32,
     /// Malformed bodies published.
@@ -126,20 +126,20 @@ pub struct Summary {
 
 impl Summary {
     /// All messages published.
-    pub fn published(&self) -> u32 {
+    pub(crate) fn published(&self) -> u32 {
         self.jobs + self.poison
     }
 
     /// Every message ended exactly once, acked or in the DLQ, and the DLQ holds only what truly
     /// failed.
-    pub fn adds_up(&self) -> bool {
+    pub(crate) fn adds_up(&self) -> bool {
         self.processed + self.dead_lettered == self.published()
             && self.dead_lettered == self.dead_lettered_poison + self.dead_lettered_exhausted
             && self.handler_calls == self.jobs + self.retried
     }
 
     /// The summary table.
-    pub fn render(&self) -> String {
+    pub(crate) fn render(&self) -> String {
         let a = &self.args;
         let mut out = String::new();
         let ms = |d: Duration| d.as_millis();
@@ -225,7 +225,7 @@ impl Summary {
 }
 
 /// The message printed when the broker cannot be reached.
-pub fn no_broker_message(url: &str, error: &dyn std::fmt::Display) -> String {
+pub(crate) fn no_broker_message(url: &str, error: &dyn std::fmt::Display) -> String {
     format!(
         "cannot reach RabbitMQ at {url}: {error}\n\
          Start a local broker with one of:\n  \
@@ -237,10 +237,10 @@ pub fn no_broker_message(url: &str, error: &dyn std::fmt::Display) -> String {
 }
 
 /// Told how far the run is while it waits: (messages settled for good, messages published).
-pub type Progress<'a> = &'a (dyn Fn(u32, u32) + Send + Sync);
+pub(crate) type Progress<'a> = &'a (dyn Fn(u32, u32) + Send + Sync);
 
 /// Connects, or fails with instructions to start a broker.
-pub async fn connect(cfg: &Settings) -> anyhow::Result<Connection> {
+pub(crate) async fn connect(cfg: &Settings) -> anyhow::Result<Connection> {
     let url = redeliver::amqp::url::redact(cfg.url());
     let props = ConnectionProperties::default().with_connection_name("image-processing".into());
     match tokio::time::timeout(
@@ -268,7 +268,7 @@ fn levels_for(cap: Duration, g: Duration) -> u8 {
 /// Runs the demo: declares a throwaway topology (random prefix, delay levels included),
 /// consumes, publishes, waits for every message to be settled for good (telling `progress` how
 /// far it is), reads the DLQ, deletes everything (unless `--keep`) and returns the summary.
-pub async fn run_demo_with(
+pub(crate) async fn run_demo_with(
     args: &Args,
     cfg: &Settings,
     progress: Progress<'_>,

@@ -9,7 +9,7 @@ use serde::{Deserialize, Serialize};
 
 /// One job, as `examples/publish.rs` sends it.
 #[derive(Serialize, Deserialize, Debug, Clone, PartialEq)]
-pub struct ImageJob {
+pub(crate) struct ImageJob {
     /// Job number.
     pub id: u64,
     /// Image to fetch.
@@ -26,7 +26,7 @@ pub struct ImageJob {
 
 /// The handler: a bad request goes straight to the DLQ, a failed fetch is retried with the
 /// policy's backoff.
-pub async fn process(job: &ImageJob, ctx: &Context) -> Result<(), HandlerError> {
+pub(crate) async fn process(job: &ImageJob, ctx: &Context) -> Result<(), HandlerError> {
     if job.width == 0 {
         return Err(HandlerError::permanent(format!(
             "job {}: width must be positive",
@@ -42,9 +42,9 @@ pub async fn process(job: &ImageJob, ctx: &Context) -> Result<(), HandlerError> 
 
 /// Jobs at least this wide are large images: resizing one takes [`LARGE_IMAGE_TIME`], longer
 /// than the standard queue's time limit, so the worker forwards them to the heavy queue.
-pub const LARGE_WIDTH: u32 = 4000;
+pub(crate) const LARGE_WIDTH: u32 = 4000;
 /// How long resizing a large image takes.
-pub const LARGE_IMAGE_TIME: Duration = Duration::from_secs(15);
+pub(crate) const LARGE_IMAGE_TIME: Duration = Duration::from_secs(15);
 
 /// The simulated fetch and resize: 5 to 25 ms (a large image: 15 s more), then maybe a
 /// connection reset.
@@ -66,7 +66,7 @@ async fn fetch(job: &ImageJob, attempt: u32) -> Result<(), std::io::Error> {
 }
 
 /// Whether fetching the image fails on this attempt.
-pub fn fetch_fails(job: &ImageJob, attempt: u32) -> bool {
+pub(crate) fn fetch_fails(job: &ImageJob, attempt: u32) -> bool {
     unit(job, attempt, 1) < job.fail_rate
 }
 

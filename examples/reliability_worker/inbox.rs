@@ -36,7 +36,7 @@ use crate::{draw, unix_ms, App, Job};
 
 /// Where a fault is injected.
 #[derive(Clone, Debug, Default)]
-pub struct Faults {
+pub(crate) struct Faults {
     pub before_commit: Vec<String>,
     pub after_commit: Vec<String>,
     pub before_commit_rate: f64,
@@ -116,7 +116,7 @@ impl TransactionalHandler<Json<Job>> for Effect {
 }
 
 /// The worker's handler: the inbox, then the after-commit fault, then the records.
-pub struct Faulty {
+pub(crate) struct Faulty {
     inbox: InboxHandler<Effect, Json<Job>>,
     app: Arc<App>,
     faults: Arc<Faults>,
@@ -172,7 +172,7 @@ impl Handler<Json<Job>> for Faulty {
 }
 
 /// Settings of the inbox mode.
-pub struct Options {
+pub(crate) struct Options {
     pub database_url: String,
     pub schema: String,
     pub consumer: String,
@@ -183,7 +183,7 @@ pub struct Options {
 }
 
 /// Connects, prepares the inbox (fails fast when PostgreSQL is down) and returns the handler.
-pub async fn handler(app: Arc<App>, o: Options) -> anyhow::Result<Faulty> {
+pub(crate) async fn handler(app: Arc<App>, o: Options) -> anyhow::Result<Faulty> {
     let schema = Schema::named(&o.schema).context("--inbox-schema")?;
     let options: sqlx::postgres::PgConnectOptions = o
         .database_url

@@ -8,7 +8,12 @@ use crate::effects_db::schema;
 /// Commits to `db`'s outbox one message per id of `ids` (default exchange, routing key `queue`, a
 /// body of `body_len` bytes, the id as its message id) through [`Outbox::store`], in
 /// transactions of up to 500 rows, in the order given (so the rows' ids follow it).
-pub async fn commit_outbox(db: &EffectsSchema, queue: &str, ids: &[String], body_len: usize) {
+pub(crate) async fn commit_outbox(
+    db: &EffectsSchema,
+    queue: &str,
+    ids: &[String],
+    body_len: usize,
+) {
     let outbox = Outbox::new(schema(db));
     let body = vec![b'x'; body_len];
     for chunk in ids.chunks(500) {

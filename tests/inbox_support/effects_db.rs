@@ -5,7 +5,7 @@ use redeliver::postgres::Schema;
 use redeliver_testkit::effects::EffectsSchema;
 
 /// A fresh [`EffectsSchema`]: the inbox and outbox tables, then `effects`.
-pub async fn effects_db() -> EffectsSchema {
+pub(crate) async fn effects_db() -> EffectsSchema {
     // Dropped from here on, whatever fails next.
     let db = EffectsSchema::new().await;
     schema(&db)
@@ -17,6 +17,6 @@ pub async fn effects_db() -> EffectsSchema {
 }
 
 /// `db`'s schema, as the inbox, the outbox and the relay take it.
-pub fn schema(db: &EffectsSchema) -> Schema {
+pub(crate) fn schema(db: &EffectsSchema) -> Schema {
     Schema::named(&db.name).expect("a valid schema name")
 }

@@ -166,9 +166,9 @@ pub(crate) struct Session<'a> {
 /// without asking the broker.
 ///
 /// ```no_run
-/// # async fn demo(conn: &redeliver_amqp::lapin::Connection) -> Result<(), redeliver_amqp::lapin::Error> {
+/// # async fn demo(conn: &redeliver::lapin::Connection) -> Result<(), redeliver::lapin::Error> {
 /// let channel = conn.create_channel().await?;
-/// match redeliver_amqp::passive_queue(&channel, "images.dlq").await? {
+/// match redeliver::amqp::passive_queue(&channel, "images.dlq").await? {
 ///     Some(q) => println!("{} ready, {} consumers", q.message_count(), q.consumer_count()),
 ///     None => println!("no such queue"),
 /// }

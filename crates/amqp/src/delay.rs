@@ -53,7 +53,7 @@ pub enum OverMax {
 /// parks messages whose destination queue is gone instead of losing them.
 ///
 /// ```
-/// use redeliver_amqp::DelayConfig;
+/// use redeliver::DelayConfig;
 /// use std::time::Duration;
 ///
 /// let cfg = DelayConfig::new().levels(4);

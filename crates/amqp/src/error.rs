@@ -36,7 +36,7 @@ pub enum DelayError {
 /// let passive = QueueDeclareOptions { passive: true, ..Default::default() };
 /// match channel.queue_declare("orders".into(), passive, Default::default()).await {
 ///     Ok(q) => println!("{} ready", q.message_count()),
-///     Err(e) if redeliver_amqp::is_not_found(&e) => println!("no queue 'orders'"),
+///     Err(e) if redeliver::amqp::is_not_found(&e) => println!("no queue 'orders'"),
 ///     Err(e) => return Err(e),
 /// }
 /// # Ok(())

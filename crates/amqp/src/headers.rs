@@ -109,8 +109,8 @@ impl RetryState {
     /// [`LAST_ERROR`] is truncated to [`LAST_ERROR_MAX_BYTES`]. Strings must be valid UTF-8.
     ///
     /// ```
-    /// use redeliver_amqp::headers::{RetryState, ATTEMPT};
-    /// use redeliver_amqp::lapin::types::{AMQPValue, FieldTable};
+    /// use redeliver::amqp::headers::{RetryState, ATTEMPT};
+    /// use redeliver::lapin::types::{AMQPValue, FieldTable};
     ///
     /// let mut t = FieldTable::default();
     /// t.insert(ATTEMPT.into(), AMQPValue::LongLongInt(2));
@@ -207,7 +207,7 @@ pub struct XDeath {
 /// strings, 0 or `None`.
 ///
 /// ```
-/// use redeliver_amqp::headers::x_death;
+/// use redeliver::amqp::headers::x_death;
 /// assert!(x_death(None).is_empty());
 /// ```
 pub fn x_death(headers: Option<&FieldTable>) -> Vec<XDeath> {
@@ -255,8 +255,8 @@ pub fn x_death(headers: Option<&FieldTable>) -> Vec<XDeath> {
 /// array at all is left alone: the broker replaces it without reading it.
 ///
 /// ```
-/// use redeliver_amqp::headers::{sanitize_x_death, SANITIZED, X_DEATH};
-/// use redeliver_amqp::lapin::types::{AMQPValue, FieldArray, FieldTable};
+/// use redeliver::amqp::headers::{sanitize_x_death, SANITIZED, X_DEATH};
+/// use redeliver::lapin::types::{AMQPValue, FieldArray, FieldTable};
 ///
 /// let mut h = FieldTable::default();
 /// h.insert(X_DEATH.into(), AMQPValue::FieldArray(FieldArray::from(vec![AMQPValue::LongLongInt(7)])));
@@ -301,8 +301,8 @@ pub fn sanitize_x_death(headers: Option<&FieldTable>) -> Option<FieldTable> {
 /// `x-redeliver-*`, then `state` written on top.
 ///
 /// ```
-/// use redeliver_amqp::headers::{retry_copy_headers, RetryState, ATTEMPT};
-/// use redeliver_amqp::lapin::types::{AMQPValue, FieldTable};
+/// use redeliver::amqp::headers::{retry_copy_headers, RetryState, ATTEMPT};
+/// use redeliver::lapin::types::{AMQPValue, FieldTable};
 ///
 /// let mut orig = FieldTable::default();
 /// orig.insert("tenant".into(), AMQPValue::LongString("acme".into()));
@@ -489,8 +489,8 @@ impl ForwardInfo {
 /// destination starts the message's retries afresh under its own policy, then `info`.
 ///
 /// ```
-/// use redeliver_amqp::headers::{forward_headers, ForwardInfo, ATTEMPT, FORWARDED_FROM};
-/// use redeliver_amqp::lapin::types::{AMQPValue, FieldTable};
+/// use redeliver::amqp::headers::{forward_headers, ForwardInfo, ATTEMPT, FORWARDED_FROM};
+/// use redeliver::lapin::types::{AMQPValue, FieldTable};
 ///
 /// let mut orig = FieldTable::default();
 /// orig.insert("tenant".into(), AMQPValue::LongString("acme".into()));
@@ -541,7 +541,7 @@ pub(crate) fn truncate_to(s: &str, max: usize) -> String {
 /// Truncates `s` to at most [`LAST_ERROR_MAX_BYTES`] bytes, cutting on a char boundary.
 ///
 /// ```
-/// use redeliver_amqp::headers::{truncate_error, LAST_ERROR_MAX_BYTES};
+/// use redeliver::amqp::headers::{truncate_error, LAST_ERROR_MAX_BYTES};
 /// let long = "é".repeat(1000); // 2000 bytes
 /// let t = truncate_error(&long);
 /// assert!(t.len() <= LAST_ERROR_MAX_BYTES);

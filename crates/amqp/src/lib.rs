@@ -21,8 +21,8 @@
 //!
 //! ```no_run
 //! # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
-//! use redeliver_amqp::lapin::{Connection, ConnectionProperties};
-//! use redeliver_amqp::{Publisher, Topology};
+//! use redeliver::lapin::{Connection, ConnectionProperties};
+//! use redeliver::{Publisher, Topology};
 //! use std::time::Duration;
 //!
 //! let conn = Connection::connect("amqp://guest:guest@127.0.0.1:5672/%2f", ConnectionProperties::default()).await?;
@@ -35,12 +35,9 @@
 //! # Ok(()) }
 //! ```
 
-#![warn(missing_docs, missing_debug_implementations, unreachable_pub)]
-#![forbid(unsafe_code)]
-#![cfg_attr(
-    not(test),
-    warn(clippy::unwrap_used, clippy::expect_used, clippy::panic)
-)]
+// Lints: `[workspace.lints]` in Cargo.toml.
+// docs.rs marks the items of optional features with the feature they need.
+#![cfg_attr(docsrs, feature(doc_cfg))]
 
 // One path per item: `headers`, `properties` and `url` are namespaces of constants and free
 // functions and stay public, with their types; every other module is private and its public
@@ -48,6 +45,7 @@
 pub mod headers;
 pub mod properties;
 #[cfg(feature = "otel")]
+#[cfg_attr(docsrs, doc(cfg(feature = "otel")))]
 pub mod trace_context;
 pub mod url;
 

@@ -49,7 +49,7 @@ pub enum NameError {
 /// key to the name; [`validate_routed_queue_name`] checks that tighter bound.
 ///
 /// ```
-/// use redeliver_amqp::validate_queue_name;
+/// use redeliver::amqp::validate_queue_name;
 /// assert!(validate_queue_name("orders.eu").is_ok());
 /// assert!(validate_queue_name("orders.*").is_err());
 /// assert!(validate_queue_name("orders..eu").is_err());
@@ -62,7 +62,7 @@ pub fn validate_queue_name(name: &str) -> Result<(), NameError> {
 /// levels (`levels` one-character words, each followed by a dot, then `name`) fits in 255 bytes.
 ///
 /// ```
-/// use redeliver_amqp::validate_routed_queue_name;
+/// use redeliver::amqp::validate_routed_queue_name;
 /// assert!(validate_routed_queue_name(&"a".repeat(207), 24).is_ok());
 /// assert!(validate_routed_queue_name(&"a".repeat(208), 24).is_err());
 /// ```

@@ -15,9 +15,9 @@ use lapin::BasicProperties;
 ///   user is not known, e.g. with SASL EXTERNAL) drops it always.
 ///
 /// ```
-/// use redeliver_amqp::lapin::types::{AMQPValue, FieldTable};
-/// use redeliver_amqp::lapin::BasicProperties;
-/// use redeliver_amqp::properties::copy_properties;
+/// use redeliver::lapin::types::{AMQPValue, FieldTable};
+/// use redeliver::lapin::BasicProperties;
+/// use redeliver::amqp::properties::copy_properties;
 ///
 /// let original = BasicProperties::default()
 ///     .with_message_id("order-17".into())

@@ -6,8 +6,8 @@
 //! an ack *and* a return, so the ack alone proves nothing; the returned message is checked.
 //!
 //! ```no_run
-//! # async fn demo(conn: &redeliver_amqp::lapin::Connection) -> Result<(), redeliver_amqp::PublishError> {
-//! use redeliver_amqp::{DelayConfig, Publisher};
+//! # async fn demo(conn: &redeliver::lapin::Connection) -> Result<(), redeliver::amqp::PublishError> {
+//! use redeliver::{DelayConfig, Publisher};
 //! use std::time::Duration;
 //!
 //! let publisher = Publisher::new(conn, DelayConfig::default()).await?;
@@ -55,7 +55,7 @@ impl OutgoingMessage {
     /// A JSON message (`content_type` `application/json`).
     ///
     /// ```
-    /// let m = redeliver_amqp::OutgoingMessage::json(&[1, 2]).unwrap();
+    /// let m = redeliver::amqp::OutgoingMessage::json(&[1, 2]).unwrap();
     /// assert_eq!(m.body, b"[1,2]");
     /// ```
     pub fn json<T: serde::Serialize + ?Sized>(value: &T) -> Result<Self, serde_json::Error> {

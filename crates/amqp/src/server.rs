@@ -109,7 +109,7 @@ impl FromStr for BrokerVersion {
 /// as a client that closed its connection early.
 ///
 /// ```
-/// use redeliver_amqp::BrokerVersion;
+/// use redeliver::amqp::BrokerVersion;
 ///
 /// let v = BrokerVersion::parse("4.3.6").unwrap();
 /// assert!(!v.requeue_counts_toward_delivery_limit());

@@ -23,9 +23,10 @@ use crate::url::{BrokerUrl, UrlError};
 /// named by the certificate's CN by default) and the URL needs no password.
 ///
 /// ```no_run
-/// # async fn demo() -> Result<(), redeliver_amqp::ConnectError> {
-/// use redeliver_amqp::lapin::ConnectionProperties;
-/// use redeliver_amqp::{connect, TlsConfig};
+/// # async fn demo() -> Result<(), redeliver::amqp::ConnectError> {
+/// use redeliver::lapin::ConnectionProperties;
+/// use redeliver::TlsConfig;
+/// use redeliver::amqp::connect;
 ///
 /// let tls = TlsConfig::new()
 ///     .ca_file("/etc/redeliver/ca.pem")

@@ -53,8 +53,8 @@ pub struct Binding {
 /// PRECONDITION_FAILED closes the channel it happens on, and it should never be one of yours.
 ///
 /// ```no_run
-/// # async fn demo(conn: &redeliver_amqp::lapin::Connection) -> Result<(), redeliver_amqp::TopologyError> {
-/// use redeliver_amqp::Topology;
+/// # async fn demo(conn: &redeliver::lapin::Connection) -> Result<(), redeliver::amqp::TopologyError> {
+/// use redeliver::Topology;
 ///
 /// let topo = Topology::new("images").prefix("prod.").bind("uploads", "image.*");
 /// topo.declare(conn).await?; // idempotent: the same call on every start is a no-op
@@ -142,7 +142,7 @@ impl Topology {
     /// delete it, then declare again.
     ///
     /// ```
-    /// use redeliver_amqp::{QueueType, Topology};
+    /// use redeliver::{QueueType, Topology};
     /// let topo = Topology::new("images").dlq_queue_type(QueueType::Quorum);
     /// assert_eq!(topo.configured_dlq_queue_type(), QueueType::Quorum);
     /// ```

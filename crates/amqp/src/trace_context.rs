@@ -28,7 +28,7 @@ use crate::headers::TRACEPARENT;
 ///     "traceparent".into(),
 ///     AMQPValue::LongString("00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01".into()),
 /// );
-/// let cx = redeliver_amqp::trace_context::extract(Some(&headers));
+/// let cx = redeliver::amqp::trace_context::extract(Some(&headers));
 /// assert_eq!(
 ///     cx.span().span_context().trace_id().to_string(),
 ///     "0af7651916cd43dd8448eb211c80319c"

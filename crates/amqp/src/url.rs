@@ -6,7 +6,7 @@
 //! `;`.
 //!
 //! ```
-//! use redeliver_amqp::url::{redact, BrokerUrl};
+//! use redeliver::amqp::url::{redact, BrokerUrl};
 //!
 //! assert_eq!(redact("amqp://app:s3cret@rabbit:5672/%2f"), "amqp://app:***@rabbit:5672/%2f");
 //! assert_eq!(redact("amqp:app:s3cret@rabbit"), "amqp:app:***@rabbit");
@@ -380,7 +380,7 @@ fn has_separator_inside(entry: &str) -> bool {
 /// node would receive the password, in clear text, from the plain one.
 ///
 /// ```
-/// use redeliver_amqp::url::{check_list, BrokerUrl};
+/// use redeliver::amqp::url::{check_list, BrokerUrl};
 /// let plain = BrokerUrl::parse("amqp://app:pw@rabbit-1/%2f").unwrap();
 /// assert!(check_list(&[plain.clone(), plain]).is_ok());
 /// ```

@@ -1,4 +1,9 @@
 //! Dead-lettering through `Q.dlx` -> `Q.dlq`, and the broker's `x-death` record of it.
+
+// Test code: a failed expectation panics, in test helpers as in tests (the workspace lints
+// forbid it in library code).
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
 mod common;
 
 use redeliver_amqp::headers::x_death;

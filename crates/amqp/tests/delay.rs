@@ -1,5 +1,10 @@
 //! The binary delay levels against the real broker: accuracy, no head-of-line blocking,
 //! properties kept, unroutable parking.
+
+// Test code: a failed expectation panics, in test helpers as in tests (the workspace lints
+// forbid it in library code).
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
 mod common;
 
 use futures::StreamExt;

@@ -2,6 +2,11 @@
 //! that hold messages are kept unless discarded, and nothing else goes either; passive
 //! declares of missing and impossible names. (`redeliver topology delete --include-delay`
 //! runs the same code end to end, with publishers racing it: crates/cli/tests/topology_delete.rs.)
+
+// Test code: a failed expectation panics, in test helpers as in tests (the workspace lints
+// forbid it in library code).
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
 mod common;
 
 use std::time::Duration;

@@ -1,5 +1,10 @@
 //! Fuzz-style tests of the header codec on hostile header tables: it must never panic, and what it
 //! reads must respect its documented bounds.
+
+// Test code: a failed expectation panics, in test helpers as in tests (the workspace lints
+// forbid it in library code).
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
 use proptest::prelude::*;
 use redeliver_amqp::headers::{self, RetryState};
 use redeliver_amqp::lapin::types::{

@@ -1,4 +1,9 @@
 //! The confirmed publisher against bodies near the broker's `max_message_size`.
+
+// Test code: a failed expectation panics, in test helpers as in tests (the workspace lints
+// forbid it in library code).
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
 mod common;
 
 use redeliver_amqp::lapin::BasicProperties;

@@ -5,6 +5,11 @@
 //! An alarm stops every publisher of the node, so this runs against a dedicated node
 //! (`rddeadline-1@localhost`, AMQP port 5699) started with `scripts/cluster.sh` and removed
 //! afterwards; `RD_CLUSTER_CHROOT` picks another RabbitMQ version, as for the other node tests.
+
+// Test code: a failed expectation panics, in test helpers as in tests (the workspace lints
+// forbid it in library code).
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
 mod common;
 
 use std::time::{Duration, Instant};

@@ -1,5 +1,10 @@
 //! A returned (unroutable) mandatory publish is reported as returned to the publish it belongs
 //! to, also while many publishes share one [`Publisher`] and confirms come back in batches.
+
+// Test code: a failed expectation panics, in test helpers as in tests (the workspace lints
+// forbid it in library code).
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
 mod common;
 
 use std::time::{Duration, Instant};

@@ -5,6 +5,16 @@
 //! redeliver) runs in a child process (this same binary, hidden `child` subcommand) so that the
 //! RSS figures are the consumer's own and not polluted by the publisher or by earlier scenarios.
 
+// Lints: `[workspace.lints]` in Cargo.toml, but the bench is a measuring tool, not library code:
+// it stops with a panic on what it cannot measure, and its modules' items are `pub` to one
+// another inside this binary.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    unreachable_pub
+)]
+
 mod broker;
 mod child;
 mod config;

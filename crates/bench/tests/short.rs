@@ -3,6 +3,10 @@
 //! assertions: CI machines vary; this only proves the benchmark still works. Needs a running
 //! RabbitMQ (`rabbitmq-server -detached`) and PostgreSQL (`bash scripts/postgres.sh up`).
 
+// Test code: a failed expectation panics, in test helpers as in tests (the workspace lints
+// forbid it in library code).
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
 use std::process::Command;
 
 #[test]

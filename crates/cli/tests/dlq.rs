@@ -1,5 +1,9 @@
 //! `dlq list|peek|replay|purge` against the real broker.
 
+// Test code: a failed expectation panics, in test helpers as in tests (the workspace lints
+// forbid it in library code).
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
 #[path = "common/cleanup.rs"]
 mod cleanup;
 mod common;

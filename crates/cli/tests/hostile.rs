@@ -5,6 +5,10 @@
 //! exit 0, no panic, nothing a terminal would act on in its output, valid JSON, and no message
 //! lost or duplicated.
 
+// Test code: a failed expectation panics, in test helpers as in tests (the workspace lints
+// forbid it in library code).
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
 #[path = "common/cleanup.rs"]
 mod cleanup;
 mod common;

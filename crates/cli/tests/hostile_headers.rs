@@ -3,6 +3,10 @@
 //! overflowed its stack, issue 29). Now each command reads it with the header cut and marked,
 //! and exits 0.
 
+// Test code: a failed expectation panics, in test helpers as in tests (the workspace lints
+// forbid it in library code).
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
 #[path = "common/cleanup.rs"]
 mod cleanup;
 mod common;

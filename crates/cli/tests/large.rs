@@ -6,6 +6,10 @@
 //! `cargo test -p redeliver-cli --test large -- --ignored`. It needs GNU time (`/usr/bin/time`)
 //! for the peak resident size of the CLI process.
 
+// Test code: a failed expectation panics, in test helpers as in tests (the workspace lints
+// forbid it in library code).
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
 #[path = "common/cleanup.rs"]
 mod cleanup;
 mod common;

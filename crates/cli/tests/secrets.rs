@@ -4,6 +4,10 @@
 //! is an error, not a login as `guest`). The binary runs for real, against the test broker where
 //! a login is involved.
 
+// Test code: a failed expectation panics, in test helpers as in tests (the workspace lints
+// forbid it in library code).
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
 use std::ffi::OsString;
 use std::os::unix::ffi::OsStringExt as _;
 use std::process::Command;

@@ -3,6 +3,10 @@
 //! The expected texts live in tests/snapshots/*.txt. After an intended change, regenerate them
 //! with `UPDATE_SNAPSHOTS=1 cargo test -p redeliver-cli --test snapshots` and review the diff.
 
+// Test code: a failed expectation panics, in test helpers as in tests (the workspace lints
+// forbid it in library code).
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
 use std::path::PathBuf;
 
 use redeliver_testkit::process::Output;

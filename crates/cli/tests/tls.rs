@@ -1,6 +1,10 @@
 //! The CLI over amqps:// against the testkit's TLS broker (a RabbitMQ node it starts with
 //! throwaway certificates, unless `AMQPS_URL` names one).
 
+// Test code: a failed expectation panics, in test helpers as in tests (the workspace lints
+// forbid it in library code).
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
 mod common;
 #[path = "common/messages.rs"]
 mod messages;

@@ -2,6 +2,10 @@
 //! (other services' pending retries, parked messages) are not deleted without --force, and
 //! nothing else is either.
 
+// Test code: a failed expectation panics, in test helpers as in tests (the workspace lints
+// forbid it in library code).
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
 #[path = "common/cleanup.rs"]
 mod cleanup;
 mod common;

@@ -7,6 +7,10 @@
 //! published straight to Q.dlq with the headers a worker writes (`DeadLetterInfo`), some with
 //! an old dead-lettering time so that `--older-than` is deterministic.
 
+// Test code: a failed expectation panics, in test helpers as in tests (the workspace lints
+// forbid it in library code).
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
 #[path = "common/cleanup.rs"]
 mod cleanup;
 mod common;

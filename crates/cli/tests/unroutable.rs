@@ -1,6 +1,10 @@
 //! `unroutable list|replay|purge`: the parking queue of the delay infrastructure (a quorum
 //! queue, so these tests also check that listing keeps a quorum queue's order).
 
+// Test code: a failed expectation panics, in test helpers as in tests (the workspace lints
+// forbid it in library code).
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
 #[path = "common/cleanup.rs"]
 mod cleanup;
 mod common;

@@ -18,7 +18,7 @@ use crate::nanos::{from_nanos_f64, from_nanos_saturating};
 ///
 /// ```
 /// use std::time::Duration;
-/// use redeliver_core::Backoff;
+/// use redeliver::Backoff;
 ///
 /// let b = Backoff::Exponential {
 ///     base: Duration::from_millis(100),
@@ -108,7 +108,7 @@ impl Backoff {
     ///
     /// ```
     /// use std::time::Duration;
-    /// use redeliver_core::{Backoff, Jitter};
+    /// use redeliver::{Backoff, Jitter};
     ///
     /// let backoff = Backoff::Exponential {
     ///     base: Duration::from_millis(100),

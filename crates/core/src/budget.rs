@@ -64,7 +64,8 @@ const SLICES: usize = 10;
 ///
 /// ```
 /// use std::time::Duration;
-/// use redeliver_core::{BudgetConfig, ManualClock, RetryBudget};
+/// use redeliver::{BudgetConfig, RetryBudget};
+/// use redeliver::policy::ManualClock;
 ///
 /// let clock = ManualClock::new();
 /// let budget = RetryBudget::with_clock(

@@ -43,7 +43,7 @@ impl Clock for SystemClock {
 ///
 /// ```
 /// use std::time::Duration;
-/// use redeliver_core::{Clock, ManualClock};
+/// use redeliver::policy::{Clock, ManualClock};
 ///
 /// let clock = ManualClock::new();
 /// let c2 = clock.clone();

@@ -44,7 +44,7 @@ enum Source {
 ///
 /// ```
 /// use std::time::Duration;
-/// use redeliver_core::{ErrorKind, HandlerError};
+/// use redeliver::{ErrorKind, HandlerError};
 ///
 /// let e = HandlerError::transient("connection reset");
 /// assert_eq!(e.kind(), ErrorKind::Transient);
@@ -98,7 +98,7 @@ impl HandlerError {
     /// message without the `message_id` an inbox needs, say). Use a stable `snake_case` name.
     ///
     /// ```
-    /// use redeliver_core::{Decision, HandlerError, RetryPolicy};
+    /// use redeliver::{Decision, HandlerError, RetryPolicy};
     ///
     /// let e = HandlerError::permanent_because("no_message_id", "the inbox needs a message_id");
     /// match RetryPolicy::default().decide(0, None, &e) {
@@ -204,7 +204,7 @@ impl Error for HandlerError {
 /// found" would tell the reader the same thing twice.
 ///
 /// ```
-/// use redeliver_core::error_chain;
+/// use redeliver::policy::error_chain;
 ///
 /// #[derive(Debug, thiserror::Error)]
 /// #[error("saving thumbnail")]
@@ -260,7 +260,7 @@ type Rule = Arc<dyn Fn(&HandlerError) -> Option<ErrorKind> + Send + Sync>;
 /// type.
 ///
 /// ```
-/// use redeliver_core::{Classifier, ErrorKind, HandlerError};
+/// use redeliver::{Classifier, ErrorKind, HandlerError};
 ///
 /// #[derive(Debug, thiserror::Error)]
 /// #[error("invalid image")]
@@ -320,7 +320,7 @@ impl Classifier {
     ///
     /// ```
     /// use std::time::Duration;
-    /// use redeliver_core::{Classifier, ErrorKind, HandlerError};
+    /// use redeliver::{Classifier, ErrorKind, HandlerError};
     ///
     /// let c = Classifier::default().with_fn(|e| {
     ///     e.to_string().contains("429").then_some(ErrorKind::RetryAfter(Duration::from_secs(60)))

@@ -15,7 +15,7 @@ use std::time::Duration;
 ///
 /// ```
 /// use std::time::Duration;
-/// use redeliver_core::{Classifier, Decision, Forward, HandlerError, RetryPolicy, TimedOut};
+/// use redeliver::{Classifier, Decision, Forward, HandlerError, RetryPolicy, TimedOut};
 ///
 /// // Timeouts of `images` are retried once here, then go on to `images.heavy`.
 /// let policy = RetryPolicy::exponential(Duration::from_millis(100))

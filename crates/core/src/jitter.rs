@@ -25,7 +25,7 @@ use crate::nanos::from_nanos_saturating;
 /// ```
 /// use std::time::Duration;
 /// use rand::{rngs::StdRng, SeedableRng};
-/// use redeliver_core::Jitter;
+/// use redeliver::Jitter;
 ///
 /// let mut rng = StdRng::seed_from_u64(7);
 /// let d = Duration::from_secs(10);

@@ -7,7 +7,7 @@
 //!
 //! ```
 //! use std::time::Duration;
-//! use redeliver_core::{Classifier, DeadLetterReason, Decision, HandlerError, Jitter, RetryPolicy};
+//! use redeliver::{Classifier, DeadLetterReason, Decision, HandlerError, Jitter, RetryPolicy};
 //!
 //! #[derive(Debug, thiserror::Error)]
 //! #[error("malformed order")]
@@ -76,8 +76,8 @@
 //!
 //! ```
 //! use std::time::Duration;
-//! use redeliver_core::{BudgetConfig, DeadLetterReason, Decision, HandlerError, ManualClock,
-//!     RetryBudget, RetryPolicy};
+//! use redeliver::policy::ManualClock;
+//! use redeliver::{BudgetConfig, DeadLetterReason, Decision, HandlerError, RetryBudget, RetryPolicy};
 //!
 //! let budget = RetryBudget::with_clock(
 //!     BudgetConfig { min_retries_per_sec: 0, ..BudgetConfig::default() },
@@ -117,7 +117,7 @@
 //!
 //! ```
 //! use std::time::Duration;
-//! use redeliver_core::RetryPolicy;
+//! use redeliver::RetryPolicy;
 //!
 //! let p = RetryPolicy::celery().seed(1);
 //! for retries in 0..12 {
@@ -128,9 +128,9 @@
 //! }
 //! ```
 
-#![deny(missing_docs)]
-#![warn(missing_debug_implementations, unreachable_pub)]
-#![forbid(unsafe_code)]
+// Lints: `[workspace.lints]` in Cargo.toml.
+// docs.rs marks the items of optional features with the feature they need.
+#![cfg_attr(docsrs, feature(doc_cfg))]
 
 mod backoff;
 mod budget;

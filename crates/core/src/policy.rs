@@ -88,7 +88,7 @@ impl fmt::Display for DeadLetterReason {
 ///
 /// ```
 /// use std::time::Duration;
-/// use redeliver_core::{Decision, HandlerError, Jitter, RetryPolicy};
+/// use redeliver::{Decision, HandlerError, Jitter, RetryPolicy};
 ///
 /// let policy = RetryPolicy::exponential(Duration::from_millis(100))
 ///     .factor(2.0)
@@ -195,7 +195,7 @@ impl RetryPolicy {
     ///
     /// ```
     /// use std::time::Duration;
-    /// use redeliver_core::{Jitter, RetryPolicy};
+    /// use redeliver::{Jitter, RetryPolicy};
     ///
     /// let p = RetryPolicy::celery().jitter(Jitter::None);
     /// let secs: Vec<u64> = (0..12).map(|n| p.delay_for(n, None).as_secs()).collect();

@@ -1,5 +1,9 @@
 //! Property tests: delay bounds, caps, overflow safety and reproducibility.
 
+// Test code: a failed expectation panics, in test helpers as in tests (the workspace lints
+// forbid it in library code).
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
 use std::time::Duration;
 
 use proptest::prelude::*;

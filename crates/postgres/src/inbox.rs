@@ -37,8 +37,9 @@ pub const NO_IDEMPOTENCY_KEY: &str = "no_idempotency_key";
 /// per (consumer, message id); return an error and all of it is rolled back.
 ///
 /// ```no_run
-/// use redeliver_postgres::{Inbox, OutboxMessage, TransactionalHandler, Tx};
-/// use redeliver_worker::{Context, HandlerError, Json, Worker};
+/// use redeliver::postgres::{Inbox, OutboxMessage, TransactionalHandler, Tx};
+/// use redeliver::{Context, HandlerError, Json, Worker};
+/// use redeliver::postgres::sqlx;
 ///
 /// #[derive(serde::Deserialize)]
 /// struct Paid { order: i64 }
@@ -180,10 +181,10 @@ pub struct Cleaned {
 ///
 /// ```no_run
 /// use std::time::Duration;
-/// use redeliver_postgres::Inbox;
+/// use redeliver::postgres::Inbox;
 ///
-/// # async fn demo(pool: sqlx::PgPool) -> Result<(), redeliver_postgres::Error> {
-/// let token = tokio_util::sync::CancellationToken::new();
+/// # async fn demo(pool: redeliver::postgres::sqlx::PgPool) -> Result<(), redeliver::postgres::Error> {
+/// let token = redeliver::CancellationToken::new();
 /// let inbox = Inbox::new(pool, "thumbnailer")
 ///     .key_from_header("x-idempotency-key")
 ///     .retention(Duration::from_secs(14 * 24 * 3600));
@@ -314,10 +315,11 @@ impl Inbox {
     /// sidesteps that.
     ///
     /// ```no_run
-    /// use redeliver_postgres::{Inbox, Tx};
-    /// use redeliver_worker::{Context, HandlerError, Raw, Worker};
+    /// use redeliver::postgres::{Inbox, Tx};
+    /// use redeliver::{Context, HandlerError, Raw, Worker};
+    /// use redeliver::postgres::sqlx;
     ///
-    /// # async fn demo(pool: sqlx::PgPool) -> Result<(), redeliver_worker::WorkerError> {
+    /// # async fn demo(pool: sqlx::PgPool) -> Result<(), redeliver::WorkerError> {
     /// let inbox = Inbox::new(pool, "recorder");
     /// let handler = inbox.handler_fn(|m: Raw, ctx: Context, mut tx: Tx| async move {
     ///     sqlx::query("INSERT INTO seen (id, body) VALUES ($1, $2)")

@@ -55,8 +55,9 @@
 //! features and pass the pool.
 //!
 //! ```no_run
-//! use redeliver_postgres::{Inbox, Relay, Schema, TransactionalHandler, Tx};
-//! use redeliver_worker::{CancellationToken, Context, HandlerError, Raw, Worker};
+//! use redeliver::postgres::{Inbox, Relay, Schema, TransactionalHandler, Tx};
+//! use redeliver::{CancellationToken, Context, HandlerError, Raw, Worker};
+//! use redeliver::postgres::sqlx;
 //!
 //! struct Record;
 //!
@@ -99,8 +100,9 @@
 //! # Ok(()) }
 //! ```
 
-#![warn(missing_docs, unreachable_pub, missing_debug_implementations)]
-#![forbid(unsafe_code)]
+// Lints: `[workspace.lints]` in Cargo.toml.
+// docs.rs marks the items of optional features with the feature they need.
+#![cfg_attr(docsrs, feature(doc_cfg))]
 
 mod error;
 mod inbox;

@@ -18,7 +18,7 @@ use crate::schema::Schema;
 /// are stored as a JSON object and sent as AMQP long strings.
 ///
 /// ```
-/// use redeliver_postgres::OutboxMessage;
+/// use redeliver::postgres::OutboxMessage;
 ///
 /// let m = OutboxMessage::json("orders", "order.paid", &serde_json::json!({"order": 7}))?
 ///     .with_header("tenant", "acme");
@@ -147,9 +147,10 @@ impl OutboxMessage {
 /// the row at once.
 ///
 /// ```no_run
-/// use redeliver_postgres::{Outbox, OutboxMessage};
+/// use redeliver::postgres::{Outbox, OutboxMessage};
+/// use redeliver::postgres::sqlx;
 ///
-/// # async fn demo(pool: sqlx::PgPool) -> Result<(), redeliver_postgres::Error> {
+/// # async fn demo(pool: sqlx::PgPool) -> Result<(), redeliver::postgres::Error> {
 /// let outbox = Outbox::default();
 /// let mut tx = pool.begin().await?;
 /// sqlx::query("UPDATE orders SET paid = true WHERE id = $1")
@@ -253,8 +254,8 @@ pub struct Pending {
 /// A missing table (nothing migrated that schema yet) is [`Error::MissingTable`].
 ///
 /// ```no_run
-/// # async fn demo(pool: sqlx::PgPool) -> Result<(), redeliver_postgres::Error> {
-/// let p = redeliver_postgres::pending(&pool, &redeliver_postgres::Schema::default()).await?;
+/// # async fn demo(pool: redeliver::postgres::sqlx::PgPool) -> Result<(), redeliver::postgres::Error> {
+/// let p = redeliver::postgres::pending(&pool, &redeliver::postgres::Schema::default()).await?;
 /// println!("{} waiting, oldest {:?}, {} parked", p.count, p.oldest_age, p.parked);
 /// # Ok(()) }
 /// ```

@@ -184,9 +184,9 @@ pub struct ParkedStats {
 /// The parked rows of one outbox: read, replay, purge.
 ///
 /// ```no_run
-/// use redeliver_postgres::{ParkedFilter, ParkedRows, Schema};
+/// use redeliver::postgres::{ParkedFilter, ParkedRows, Schema};
 ///
-/// # async fn demo(pool: sqlx::PgPool) -> Result<(), redeliver_postgres::Error> {
+/// # async fn demo(pool: redeliver::postgres::sqlx::PgPool) -> Result<(), redeliver::postgres::Error> {
 /// let parked = ParkedRows::new(pool, Schema::default());
 /// for row in parked.list(&ParkedFilter::default(), 20).await? {
 ///     println!("{} {} {:?}", row.id, row.reason, row.last_error);

@@ -179,11 +179,11 @@ impl RelayStatus {
 ///
 /// ```no_run
 /// use std::time::Duration;
-/// use redeliver_postgres::{Relay, Schema};
-/// use redeliver_worker::RetryPolicy;
+/// use redeliver::postgres::{Relay, Schema};
+/// use redeliver::RetryPolicy;
 ///
-/// # async fn demo(pool: sqlx::PgPool) -> Result<(), redeliver_postgres::Error> {
-/// let token = tokio_util::sync::CancellationToken::new();
+/// # async fn demo(pool: redeliver::postgres::sqlx::PgPool) -> Result<(), redeliver::postgres::Error> {
+/// let token = redeliver::CancellationToken::new();
 /// Relay::new(pool, "amqp://guest:guest@127.0.0.1:5672/%2f")
 ///     .schema(Schema::default())
 ///     .policy(RetryPolicy::exponential(Duration::from_secs(1)).max_retries(10))

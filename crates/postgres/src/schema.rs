@@ -59,13 +59,13 @@ const OUTBOX_MIGRATIONS: &[Migration] = &[
 /// then only checked (the SQL to create them is in the crate's `migrations/` directory).
 ///
 /// ```
-/// use redeliver_postgres::Schema;
+/// use redeliver::postgres::Schema;
 ///
 /// let schema = Schema::named("billing")?.with_inbox_table("billing_inbox")?;
 /// assert_eq!(schema.inbox_table(), "billing_inbox");
 /// assert_eq!(schema.outbox_table(), "outbox");
 /// assert!(Schema::named("billing; DROP TABLE users").is_err());
-/// # Ok::<(), redeliver_postgres::IdentifierError>(())
+/// # Ok::<(), redeliver::postgres::IdentifierError>(())
 /// ```
 #[derive(Clone, PartialEq, Eq)]
 pub struct Schema {
@@ -254,8 +254,8 @@ impl Schema {
     /// at once wait for each other, and the later ones find everything applied. Idempotent.
     ///
     /// ```no_run
-    /// # async fn demo(pool: sqlx::PgPool) -> Result<(), redeliver_postgres::Error> {
-    /// redeliver_postgres::Schema::default().migrate(&pool).await?;
+    /// # async fn demo(pool: redeliver::postgres::sqlx::PgPool) -> Result<(), redeliver::postgres::Error> {
+    /// redeliver::postgres::Schema::default().migrate(&pool).await?;
     /// # Ok(()) }
     /// ```
     pub async fn migrate(&self, pool: &PgPool) -> Result<(), Error> {

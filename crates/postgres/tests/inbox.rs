@@ -1,6 +1,10 @@
 //! The inbox on a real PostgreSQL: one effect per message id, rollbacks, keys, retention, and a
 //! real worker on RabbitMQ.
 
+// Test code: a failed expectation panics, in test helpers as in tests (the workspace lints
+// forbid it in library code).
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
 mod common;
 
 use std::sync::atomic::{AtomicUsize, Ordering};

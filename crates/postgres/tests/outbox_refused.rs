@@ -2,6 +2,10 @@
 //! of the rows behind them; a row that closes the publishing channel costs the others nothing.
 //! Real PostgreSQL and RabbitMQ.
 
+// Test code: a failed expectation panics, in test helpers as in tests (the workspace lints
+// forbid it in library code).
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
 mod common;
 
 use std::collections::{BTreeMap, BTreeSet};

@@ -11,7 +11,14 @@
 //! [`reliability`] is the conservation harness of the reliability suite, [`nodes`] the extra
 //! broker nodes of its disruptive tests.
 
-#![warn(missing_docs)]
+// Lints: `[workspace.lints]` in Cargo.toml, but test support code panics, as the tests do: a
+// failed expectation is a failed test. Its types are internal and need no `Debug`.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    missing_debug_implementations
+)]
 
 use std::collections::HashMap;
 use std::time::{Duration, Instant};

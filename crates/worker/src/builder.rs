@@ -82,8 +82,8 @@ impl WorkerBuilder {
     /// levels are declared (or verified) on whichever node answers.
     ///
     /// ```no_run
-    /// # use redeliver_worker::{Worker, Raw, Context, HandlerError};
-    /// # async fn demo() -> Result<(), redeliver_worker::WorkerError> {
+    /// # use redeliver::{Worker, Raw, Context, HandlerError};
+    /// # async fn demo() -> Result<(), redeliver::WorkerError> {
     /// Worker::builder("amqp://app:secret@rabbit-0:5672/%2f")
     ///     .failover_urls([
     ///         "amqp://app:secret@rabbit-1:5672/%2f",
@@ -115,8 +115,8 @@ impl WorkerBuilder {
     /// [`topology`](Self::topology)); calls accumulate in order.
     ///
     /// ```no_run
-    /// # use redeliver_worker::{Worker, Raw, Context, HandlerError};
-    /// # async fn demo() -> Result<(), redeliver_worker::WorkerError> {
+    /// # use redeliver::{Worker, Raw, Context, HandlerError};
+    /// # async fn demo() -> Result<(), redeliver::WorkerError> {
     /// Worker::builder("amqp://127.0.0.1:5672/%2f")
     ///     .queue("orders")
     ///     .map_topology(|t| t.prefix("eu-").classic().bind("shop", "order.created"))
@@ -175,7 +175,7 @@ impl WorkerBuilder {
     /// EXTERNAL. The broker's certificate is always verified, its host name included. See [`TlsConfig`].
     ///
     /// ```
-    /// use redeliver_worker::{TlsConfig, Worker};
+    /// use redeliver::{TlsConfig, Worker};
     /// let builder = Worker::builder("amqps://app:secret@rabbit.internal:5671/%2f")
     ///     .queue("images")
     ///     .tls(TlsConfig::new().ca_file("/etc/redeliver/ca.pem"));

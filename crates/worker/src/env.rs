@@ -15,7 +15,7 @@
 //!
 //! ```no_run
 //! use std::time::Duration;
-//! use redeliver_worker::{Context, HandlerError, Raw, RetryPolicy, Worker};
+//! use redeliver::{Context, HandlerError, Raw, RetryPolicy, Worker};
 //!
 //! # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
 //! Worker::builder("amqp://guest:guest@127.0.0.1:5672/%2f")
@@ -134,7 +134,7 @@ impl WorkerBuilder {
     ///
     /// ```no_run
     /// # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
-    /// use redeliver_worker::{Context, HandlerError, Raw, WorkerBuilder};
+    /// use redeliver::{Context, HandlerError, Raw, WorkerBuilder};
     /// WorkerBuilder::from_env()?
     ///     .queue("images")
     ///     .handler(|_m: Raw, _c: Context| async move { Ok::<(), HandlerError>(()) })
@@ -165,7 +165,7 @@ impl WorkerBuilder {
     /// or a configuration source of your own).
     ///
     /// ```
-    /// use redeliver_worker::Worker;
+    /// use redeliver::Worker;
     /// let vars = [("REDELIVER_PREFETCH", "64"), ("REDELIVER_QUEUE", "images")];
     /// let builder = Worker::builder("amqp://127.0.0.1:5672/%2f")
     ///     .env_from(|name| vars.iter().find(|(k, _)| *k == name).map(|(_, v)| v.to_string()))

@@ -27,7 +27,7 @@ use tokio_util::sync::CancellationToken;
 /// `M` is the decoded message: [`Json<T>`], [`Raw`], [`Text`] or any [`FromDelivery`] type.
 ///
 /// ```no_run
-/// use redeliver_worker::{Context, Handler, HandlerError, Json, Worker};
+/// use redeliver::{Context, Handler, HandlerError, Json, Worker};
 ///
 /// #[derive(serde::Deserialize)]
 /// struct Resize { url: String, width: u32 }
@@ -44,7 +44,7 @@ use tokio_util::sync::CancellationToken;
 ///     }
 /// }
 ///
-/// # async fn demo() -> Result<(), redeliver_worker::WorkerError> {
+/// # async fn demo() -> Result<(), redeliver::WorkerError> {
 /// Worker::builder("amqp://127.0.0.1:5672/%2f")
 ///     .queue("images")
 ///     .handler(Resizer { http: std::sync::Arc::new("client".into()) })
@@ -104,8 +104,8 @@ impl DecodeError {
 /// came) and [`Text`] (UTF-8). Implement it for other formats:
 ///
 /// ```
-/// use redeliver_worker::{DecodeError, FromDelivery};
-/// use redeliver_worker::lapin::message::Delivery;
+/// use redeliver::{DecodeError, FromDelivery};
+/// use redeliver::lapin::message::Delivery;
 ///
 /// /// Comma-separated values, one record per message.
 /// struct Csv(Vec<String>);
@@ -126,7 +126,7 @@ impl DecodeError {
 /// with a note listing them and one suggesting `Json<Order>`:
 ///
 /// ```compile_fail,E0277
-/// use redeliver_worker::{Context, HandlerError, Worker};
+/// use redeliver::{Context, HandlerError, Worker};
 ///
 /// #[derive(serde::Deserialize)]
 /// struct Order { id: u64 }
@@ -256,9 +256,9 @@ impl Context {
     /// handlers, without a broker. Its shutdown token is never cancelled.
     ///
     /// ```
-    /// use redeliver_worker::Context;
-    /// use redeliver_worker::lapin::message::Delivery;
-    /// use redeliver_worker::lapin::BasicProperties;
+    /// use redeliver::Context;
+    /// use redeliver::lapin::message::Delivery;
+    /// use redeliver::lapin::BasicProperties;
     ///
     /// let mut delivery = Delivery::mock(1, "".into(), "orders".into(), false, b"{}".to_vec());
     /// delivery.properties = BasicProperties::default().with_message_id("m-1".into());

@@ -25,8 +25,8 @@
 //! # Example
 //!
 //! ```no_run
-//! use redeliver_worker::health::{self, Health};
-//! use redeliver_worker::{CancellationToken, Context, HandlerError, Raw, Worker};
+//! use redeliver::worker::health::{self, Health};
+//! use redeliver::{CancellationToken, Context, HandlerError, Raw, Worker};
 //!
 //! # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
 //! let builder = Worker::builder("amqp://guest:guest@127.0.0.1:5672/%2f")
@@ -319,8 +319,9 @@ impl HealthServer {
 /// given) until `shutdown` is cancelled.
 ///
 /// ```no_run
-/// # async fn demo(status: redeliver_worker::WorkerStatus) -> Result<(), redeliver_worker::health::HealthError> {
-/// use redeliver_worker::{health, CancellationToken};
+/// # async fn demo(status: redeliver::WorkerStatus) -> Result<(), redeliver::worker::health::HealthError> {
+/// use redeliver::CancellationToken;
+/// use redeliver::worker::health;
 /// let token = CancellationToken::new();
 /// let metrics = health::install_prometheus()?;
 /// health::serve("0.0.0.0:8080", [status], Some(metrics), token).await

@@ -4,7 +4,7 @@
 //!
 //! ```no_run
 //! use std::time::Duration;
-//! use redeliver_worker::{Context, HandlerError, Json, RetryPolicy, Worker};
+//! use redeliver::{Context, HandlerError, Json, RetryPolicy, Worker};
 //!
 //! #[derive(serde::Deserialize)]
 //! struct ImageJob { url: String }
@@ -12,7 +12,7 @@
 //! async fn fetch(_url: &str) -> anyhow::Result<Vec<u8>> { Ok(Vec::new()) }
 //!
 //! #[tokio::main]
-//! async fn main() -> Result<(), redeliver_worker::WorkerError> {
+//! async fn main() -> Result<(), redeliver::WorkerError> {
 //!     Worker::builder("amqp://guest:guest@127.0.0.1:5672/%2f")
 //!         .queue("images")
 //!         .policy(RetryPolicy::exponential(Duration::from_millis(500)).max_retries(5))
@@ -115,8 +115,9 @@
 //! or after a 2 ms linger. A worker killed in between has its message redelivered (at least once,
 //! as for any ack the broker has not received).
 
-#![warn(missing_docs, unreachable_pub, missing_debug_implementations)]
-#![forbid(unsafe_code)]
+// Lints: `[workspace.lints]` in Cargo.toml.
+// docs.rs marks the items of optional features with the feature they need.
+#![cfg_attr(docsrs, feature(doc_cfg))]
 
 // The delivery path, top-down, each step calling only the ones below it: `runtime` (reconnect
 // loop) -> `session` (one connection) -> `delivery` (decode, call the handler) -> `outcome`
@@ -133,6 +134,7 @@ mod error;
 mod fake;
 mod handler;
 #[cfg(feature = "health")]
+#[cfg_attr(docsrs, doc(cfg(feature = "health")))]
 pub mod health;
 mod link;
 mod meters;

@@ -25,13 +25,13 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(30);
 ///
 /// ```no_run
 /// use std::time::Duration;
-/// use redeliver_worker::{Context, HandlerError, Json, RetryPolicy, Worker};
+/// use redeliver::{Context, HandlerError, Json, RetryPolicy, Worker};
 ///
 /// #[derive(serde::Deserialize)]
 /// struct ImageJob { url: String }
 ///
 /// #[tokio::main]
-/// async fn main() -> Result<(), redeliver_worker::WorkerError> {
+/// async fn main() -> Result<(), redeliver::WorkerError> {
 ///     Worker::builder("amqp://guest:guest@127.0.0.1:5672/%2f")
 ///         .queue("images")
 ///         .policy(RetryPolicy::exponential(Duration::from_millis(500)).max_retries(5))
@@ -280,8 +280,8 @@ fn spawn_signal_canceller(
 /// with an error the others are shut down gracefully and the first error is returned.
 ///
 /// ```no_run
-/// use redeliver_worker::{run_all, Context, HandlerError, Json, Raw, Worker};
-/// # async fn demo(token: tokio_util::sync::CancellationToken) -> Result<(), redeliver_worker::WorkerError> {
+/// use redeliver::{run_all, Context, HandlerError, Json, Raw, Worker};
+/// # async fn demo(token: redeliver::CancellationToken) -> Result<(), redeliver::WorkerError> {
 /// let url = "amqp://127.0.0.1:5672/%2f";
 /// let images = Worker::builder(url)
 ///     .queue("images")

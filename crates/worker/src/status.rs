@@ -62,8 +62,8 @@ impl fmt::Display for WorkerState {
 /// worker runs) or [`Worker::status_handle`](crate::Worker::status_handle).
 ///
 /// ```no_run
-/// # async fn demo() -> Result<(), redeliver_worker::WorkerError> {
-/// use redeliver_worker::{Context, HandlerError, Raw, Worker};
+/// # async fn demo() -> Result<(), redeliver::WorkerError> {
+/// use redeliver::{Context, HandlerError, Raw, Worker};
 /// let builder = Worker::builder("amqp://127.0.0.1:5672/%2f")
 ///     .queue("images")
 ///     .handler(|_msg: Raw, _ctx: Context| async move { Ok::<(), HandlerError>(()) });

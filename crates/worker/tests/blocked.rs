@@ -8,6 +8,10 @@
 //! (`rdalarm-1@localhost`, AMQP port 5695) started with `scripts/cluster.sh` and removed
 //! afterwards.
 
+// Test code: a failed expectation panics, in test helpers as in tests (the workspace lints
+// forbid it in library code).
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};

@@ -1,6 +1,10 @@
 //! What an operator reads on each kind of dead letter, fetched through the management HTTP API
 //! (what the management UI's "Get messages" shows), in both dead-letter modes.
 
+// Test code: a failed expectation panics, in test helpers as in tests (the workspace lints
+// forbid it in library code).
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
 mod common;
 #[path = "common/consuming.rs"]
 mod consuming;

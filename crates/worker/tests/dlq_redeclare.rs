@@ -3,6 +3,10 @@
 //! must be dead-lettered afterwards reaches `Q.dlq` with its headers instead of being dropped
 //! (a classic queue dead-lettering to a missing exchange loses the message silently).
 
+// Test code: a failed expectation panics, in test helpers as in tests (the workspace lints
+// forbid it in library code).
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
 mod common;
 
 use std::time::{Duration, Instant};

@@ -3,6 +3,10 @@
 //! `message_id` and user headers and the headers that say where they came from; while the
 //! destination does not exist the worker does not consume.
 
+// Test code: a failed expectation panics, in test helpers as in tests (the workspace lints
+// forbid it in library code).
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
 mod common;
 #[path = "common/consuming.rs"]
 mod consuming;

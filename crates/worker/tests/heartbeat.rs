@@ -3,6 +3,10 @@
 //! heartbeats give it away within two heartbeat intervals; the worker reconnects (here to its
 //! failover URL, straight to the broker) and nothing is lost.
 
+// Test code: a failed expectation panics, in test helpers as in tests (the workspace lints
+// forbid it in library code).
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
 mod common;
 
 use std::collections::HashMap;

@@ -3,6 +3,10 @@
 //! I/O thread overflowed its stack parsing it (issue 29). Now such a message is dead-lettered as
 //! undecodable, and the worker goes on with the next one.
 
+// Test code: a failed expectation panics, in test helpers as in tests (the workspace lints
+// forbid it in library code).
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
 mod common;
 #[path = "common/consuming.rs"]
 mod consuming;

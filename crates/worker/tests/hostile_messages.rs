@@ -4,6 +4,10 @@
 //! invalid UTF-8 bodies. Each goes through a retry (the worker copies it to a delay level and
 //! back) and is then handled; nothing crashes, nothing reaches the DLQ, nothing is left behind.
 
+// Test code: a failed expectation panics, in test helpers as in tests (the workspace lints
+// forbid it in library code).
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
 mod common;
 #[path = "common/consuming.rs"]
 mod consuming;

@@ -5,6 +5,10 @@
 //! dead-lettered as undecodable (its identity is not what was sent), one whose routing key was
 //! repaired is handled, and the worker goes on.
 
+// Test code: a failed expectation panics, in test helpers as in tests (the workspace lints
+// forbid it in library code).
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
 mod common;
 #[path = "common/consuming.rs"]
 mod consuming;

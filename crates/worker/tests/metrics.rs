@@ -1,6 +1,10 @@
 //! The metrics the worker emits, observed through a minimal in-memory recorder (own test binary:
 //! the recorder is process-global).
 
+// Test code: a failed expectation panics, in test helpers as in tests (the workspace lints
+// forbid it in library code).
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
 mod common;
 
 use std::collections::HashMap;

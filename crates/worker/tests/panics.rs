@@ -3,6 +3,10 @@
 //! retried and the worker keeps serving. The handler returns without waiting, so the delivery is
 //! decided inside the consume loop itself (the path that used to unwind and stop the worker).
 
+// Test code: a failed expectation panics, in test helpers as in tests (the workspace lints
+// forbid it in library code).
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
 mod common;
 
 use std::collections::HashMap;

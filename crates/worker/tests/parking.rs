@@ -2,6 +2,10 @@
 //! notices within its check interval and declares it again, so a retry whose queue is gone
 //! is parked, not dropped (an alternate exchange with no queue routes nowhere).
 
+// Test code: a failed expectation panics, in test helpers as in tests (the workspace lints
+// forbid it in library code).
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
 mod common;
 
 use std::time::{Duration, Instant};

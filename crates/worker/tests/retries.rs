@@ -1,5 +1,9 @@
 //! Outcome mapping against a real broker: ack, retry through the delay levels, dead-letter.
 
+// Test code: a failed expectation panics, in test helpers as in tests (the workspace lints
+// forbid it in library code).
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
 mod common;
 #[path = "common/consuming.rs"]
 mod consuming;

@@ -8,6 +8,10 @@
 //! tests look for the whole password and for each mark, so a password shown in part (cut at a
 //! `;` read as a list separator, say) is caught too.
 
+// Test code: a failed expectation panics, in test helpers as in tests (the workspace lints
+// forbid it in library code).
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
 use std::ffi::OsString;
 use std::io::Write as _;
 use std::time::Duration;

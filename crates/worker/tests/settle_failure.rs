@@ -2,6 +2,10 @@
 //! reject cannot reach the broker, the worker reconnects, the broker redelivers the message and
 //! it ends in the DLQ on the new connection; the deliveries around it are not lost.
 
+// Test code: a failed expectation panics, in test helpers as in tests (the workspace lints
+// forbid it in library code).
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
 mod common;
 
 use std::sync::atomic::{AtomicUsize, Ordering};

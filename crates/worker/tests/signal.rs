@@ -1,6 +1,10 @@
 //! `run_until_signal`: SIGTERM stops the worker gracefully and it returns Ok (exit code 0).
 //! Its own test binary, because the signal goes to the whole process.
 
+// Test code: a failed expectation panics, in test helpers as in tests (the workspace lints
+// forbid it in library code).
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
 mod common;
 
 use std::sync::atomic::{AtomicUsize, Ordering};

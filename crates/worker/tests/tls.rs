@@ -2,6 +2,10 @@
 //! with throwaway certificates, unless `AMQPS_URL` names one): the worker over TLS, certificates
 //! that must be refused, and mutual TLS with SASL EXTERNAL.
 
+// Test code: a failed expectation panics, in test helpers as in tests (the workspace lints
+// forbid it in library code).
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
 mod common;
 #[path = "common/consuming.rs"]
 mod consuming;

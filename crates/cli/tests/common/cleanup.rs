@@ -6,19 +6,19 @@ use redeliver_testkit::process::Output;
 use crate::common::{cli_env, LEVELS};
 
 /// Runs `redeliver ARGS` with AMQP_URL set to the test broker.
-pub fn cli(args: &[&str]) -> Output {
+pub(crate) fn cli(args: &[&str]) -> Output {
     cli_env(args, &[("AMQP_URL", &amqp_url())])
 }
 
 /// Deletes the topologies of `queues` and the delay infrastructure of `prefix` when dropped,
 /// through the binary itself (synchronous, so it also runs while a test unwinds).
-pub struct Cleanup {
-    pub prefix: String,
-    pub queues: Vec<String>,
+pub(crate) struct Cleanup {
+    pub(crate) prefix: String,
+    pub(crate) queues: Vec<String>,
 }
 
 impl Cleanup {
-    pub fn new(prefix: &str, queues: &[&str]) -> Self {
+    pub(crate) fn new(prefix: &str, queues: &[&str]) -> Self {
         Self {
             prefix: prefix.to_owned(),
             queues: queues.iter().map(|q| (*q).to_owned()).collect(),

@@ -4,7 +4,7 @@ use crate::cleanup::cli;
 use crate::common::LEVELS;
 
 /// Declares `queue`'s topology (and the delay levels) through the binary.
-pub fn declare(queue: &str, prefix: &str, extra: &[&str]) {
+pub(crate) fn declare(queue: &str, prefix: &str, extra: &[&str]) {
     let levels = LEVELS.to_string();
     let mut args = vec![
         "topology", "declare", queue, "--prefix", prefix, "--levels", &levels,

@@ -3,6 +3,9 @@
 //! which runs even when the test panics; `declare.rs` declares a topology through the binary.
 //! Connection, counting, draining and rejecting come from `redeliver-testkit`.
 
+// Test code: helpers are `pub` for the test files that include this module.
+#![allow(unreachable_pub)]
+
 use std::process::Command;
 
 use redeliver_testkit::process::Output;

@@ -1,5 +1,14 @@
 //! Shared helpers of the PostgreSQL tests: the database, a unique schema per test (dropped at
 //! the end, also when the test fails), a counting metrics recorder, contexts for direct calls.
+
+// Test code: a failed expectation panics, in test helpers as in tests (the workspace lints
+// forbid it in library code); helpers are `pub` for the test files that include this module.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    unreachable_pub
+)]
 #![allow(dead_code)] // each test binary uses some of these
 
 use std::collections::HashMap;

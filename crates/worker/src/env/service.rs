@@ -66,7 +66,7 @@ impl ServiceSettings {
     /// The same, through `lookup` instead of the environment.
     ///
     /// ```
-    /// use redeliver_worker::env::{LogFormat, ServiceSettings};
+    /// use redeliver::worker::env::{LogFormat, ServiceSettings};
     /// let cfg = ServiceSettings::from_lookup(|n| (n == "REDELIVER_LOG_FORMAT").then(|| "json".into()))
     ///     .unwrap();
     /// assert_eq!(cfg.log_format, LogFormat::Json);

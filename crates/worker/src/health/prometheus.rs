@@ -24,13 +24,16 @@ pub const HANDLER_DURATION_BUCKETS: &[f64] = &[
 /// [`HANDLER_DURATION`](crate::metrics_names::HANDLER_DURATION) (without buckets the exporter renders
 /// histograms as summaries, which cannot be aggregated across pods). For services that compose
 /// recorders; most use [`install_prometheus`].
+#[allow(
+    clippy::expect_used,
+    reason = "set_buckets_for_metric fails only for an empty slice, and the constant is not empty"
+)]
 pub fn prometheus_builder() -> PrometheusBuilder {
     PrometheusBuilder::new()
         .set_buckets_for_metric(
             Matcher::Full(m::HANDLER_DURATION.to_owned()),
             HANDLER_DURATION_BUCKETS,
         )
-        // Only fails for an empty slice, and the constant is not empty.
         .expect("HANDLER_DURATION_BUCKETS is not empty")
 }
 

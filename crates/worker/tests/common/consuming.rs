@@ -1,5 +1,14 @@
 //! Running a worker in the background of a test.
 
+// Test code: a failed expectation panics, in test helpers as in tests (the workspace lints
+// forbid it in library code); helpers are `pub` for the test files that include this module.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    unreachable_pub
+)]
+
 /// Runs the worker `builder` makes until `token` is cancelled, once it consumes: its status
 /// handle and its task. Panics when it does not consume within 20 s.
 pub async fn run_consuming(

@@ -2,6 +2,15 @@
 //! publishing, tracing. Connection, reading queues, the management API and polling come from
 //! `redeliver-testkit`.
 
+// Test code: a failed expectation panics, in test helpers as in tests (the workspace lints
+// forbid it in library code); helpers are `pub` for the test files that include this module.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    unreachable_pub
+)]
+
 use futures::future::join_all;
 use redeliver_testkit::mgmt::delete_prefix;
 use redeliver_worker::lapin::options::{BasicPublishOptions, ConfirmSelectOptions};

@@ -4,6 +4,8 @@
 //! it encodes frames on its own 2 MiB I/O thread, recursively, and overflows it too.
 //! Used by crates/worker/tests/hostile_headers.rs and crates/cli/tests/hostile_headers.rs.
 
+// Test code: helpers are `pub` for the test files that include this module.
+#![allow(unreachable_pub)]
 #![allow(dead_code)] // each test uses its part
 
 use std::io::{Read, Write};
