@@ -101,19 +101,8 @@
 //! (factor 1, maximum 600, jitter on, `max_retries` 3). Celery's `retries` is this crate's
 //! `retries_so_far` (0 on the first retry).
 //!
-//! | Celery | redeliver |
-//! |---|---|
-//! | `autoretry_for=(E,)` | [`Classifier::permanent_by_default`]`().transient_on::<E>()` (or keep the transient default) |
-//! | `raise Reject(exc, requeue=False)` | `Err(`[`HandlerError::permanent`]`(exc))` |
-//! | `retry_backoff=True` | [`RetryPolicy::celery`] (factor 1 s) |
-//! | `retry_backoff=5` | `RetryPolicy::celery().base(Duration::from_secs(5))` |
-//! | `retry_backoff=False`, `default_retry_delay=180` | [`RetryPolicy::constant`]`(Duration::from_secs(180)).max_retries(3)` |
-//! | `retry_backoff_max=600` | `.cap(Duration::from_secs(600))` |
-//! | `retry_jitter=True` / `False` | `.jitter(Jitter::Full)` / `.jitter(Jitter::None)` |
-//! | `max_retries=3` | `.max_retries(3)` |
-//! | `max_retries=None` | `.max_retries(u32::MAX)` |
-//! | `self.retry(countdown=30)` | `Err(`[`HandlerError::retry_after`]`(Duration::from_secs(30), e))` (counts against `max_retries`, no jitter) |
-//! | `MaxRetriesExceededError` | [`DeadLetterReason::RetriesExhausted`] |
+//! The option-by-option mapping (`autoretry_for`, `retry_backoff_max`, `countdown`, …) is the
+//! table "Coming from Celery" of the `redeliver` crate's front page (its README).
 //!
 //! ```
 //! use std::time::Duration;

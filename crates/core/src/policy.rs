@@ -19,9 +19,9 @@ pub const DEFAULT_CAP: Duration = Duration::from_secs(60);
 /// [`RetryPolicy::linear`] unless [`RetryPolicy::max_retries`] sets another.
 pub const DEFAULT_MAX_RETRIES: u32 = 5;
 
-/// What to do with a failed delivery.
+/// What to do with a failed delivery. Exhaustive: every consumer of a decision handles each
+/// one, and a new kind of decision is a breaking change on purpose.
 #[derive(Clone, Debug, PartialEq, Eq)]
-#[non_exhaustive]
 pub enum Decision {
     /// Publish a copy that comes back after `delay`.
     Retry {

@@ -968,8 +968,12 @@ impl Relay {
                         ParkReason::Permanent
                     }),
                 ),
-                // Exhausted retries, or an empty retry budget: parked all the same.
-                _ => (None, Some(ParkReason::RetriesExhausted)),
+                // Exhausted retries, or an empty retry budget: parked all the same. A refusal
+                // is never of the forward kind, but a policy given to the relay may forward
+                // everything: nowhere to forward a row to, it is parked too.
+                Decision::DeadLetter(_) | Decision::Forward(_) => {
+                    (None, Some(ParkReason::RetriesExhausted))
+                }
             };
             ids.push(row.id);
             errors.push(truncate(&r.error, MAX_ERROR_BYTES));

@@ -96,8 +96,6 @@ pub const REASON_BUDGET_EXHAUSTED: &str = "budget_exhausted";
 /// Dead-letter reason: the error is of the forward kind and the policy has no `Forward`
 /// destination.
 pub const REASON_FORWARD_UNCONFIGURED: &str = "forward_unconfigured";
-/// Dead-letter reason: the policy made a decision this worker does not know (a newer core).
-pub const REASON_UNDECIDED: &str = "undecided";
 /// Dead-letter reason: the body could not be decoded (poison pill, never retried).
 pub const REASON_UNDECODABLE: &str = "undecodable";
 /// Dead-letter reason: its retry copy would exceed the broker's `max_message_size`.

@@ -86,11 +86,6 @@ impl Outcome {
                 attempts: state.attempt.saturating_add(1),
                 error: message,
             },
-            // A decision this worker does not know (a newer core): keep the message, in the DLQ.
-            other => Outcome::DeadLetter {
-                reason: metrics_names::REASON_UNDECIDED,
-                error: format!("{message} (no rule for the policy's decision {other:?})"),
-            },
         }
     }
 
