@@ -561,3 +561,30 @@ async fn the_relay_publishes_over_tls() {
     token.cancel();
     run.await.unwrap().expect("relay");
 }
+
+/// A first URL that refuses connections is passed over for the next of the failover list, as
+/// the worker does.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_relay_fails_over_to_the_next_url() {
+    let db = TestDb::new().await;
+    db.schema.migrate(&db.pool).await.unwrap();
+    let (_cleanup, conn, prefix) = broker().await;
+    let queue = format!("{prefix}out");
+    declare_queue(&conn, &queue).await;
+    let messages = good(&queue, 3);
+    db.store_committed(&messages).await;
+
+    let token = CancellationToken::new();
+    // Nothing listens on port 9 here: refused at once.
+    let run = tokio::spawn(
+        Relay::new(db.pool.clone(), "amqp://guest:guest@127.0.0.1:9/%2f")
+            .failover_urls([redeliver_testkit::amqp_url()])
+            .schema(db.schema.clone())
+            .poll_interval(Duration::from_millis(100))
+            .run(token.clone()),
+    );
+    let got = receive(&conn, &queue, 3).await;
+    assert_eq!(got.len(), 3, "{got:?}");
+    token.cancel();
+    run.await.unwrap().expect("relay");
+}
