@@ -19,23 +19,8 @@ use std::collections::HashSet;
 use std::time::{Duration, Instant};
 
 use effects_db::effects_db;
-use redeliver_testkit::postgres::{pg_ctlcluster, START_POSTGRES};
+use redeliver_testkit::postgres::{pg_ctlcluster, KeepRunning};
 use redeliver_testkit::reliability::{assert_inbox_end, report, End, Scenario, Shape};
-
-/// Starts PostgreSQL again when dropped, unless it runs.
-struct KeepRunning;
-
-impl Drop for KeepRunning {
-    fn drop(&mut self) {
-        if pg_ctlcluster("status").is_err() {
-            if let Err(e) = pg_ctlcluster("start") {
-                eprintln!(
-                    "PostgreSQL is NOT running after the restart test: {e}\n{START_POSTGRES}"
-                );
-            }
-        }
-    }
-}
 
 const N: usize = 2000;
 const RESTARTS: usize = 2;

@@ -26,23 +26,8 @@ use effects_db::{effects_db, schema};
 use redeliver::postgres::Relay;
 use redeliver::{Backoff, CancellationToken, Jitter};
 use redeliver_testkit::drain_message_ids;
-use redeliver_testkit::postgres::{pg_ctlcluster, pool_named, START_POSTGRES};
+use redeliver_testkit::postgres::{pg_ctlcluster, pool_named, KeepRunning};
 use redeliver_testkit::reliability::{assert_published, report, wait_relayed, Scenario, Shape};
-
-/// Starts PostgreSQL again when dropped, unless it runs.
-struct KeepRunning;
-
-impl Drop for KeepRunning {
-    fn drop(&mut self) {
-        if pg_ctlcluster("status").is_err() {
-            if let Err(e) = pg_ctlcluster("start") {
-                eprintln!(
-                    "PostgreSQL is NOT running after the restart test: {e}\n{START_POSTGRES}"
-                );
-            }
-        }
-    }
-}
 
 /// Rows committed before the relay starts.
 const N: usize = 12000;

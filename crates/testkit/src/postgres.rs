@@ -184,3 +184,20 @@ pub async fn pool_named(app: &str, max: u32, acquire_timeout: Duration) -> PgPoo
         .await
         .unwrap_or_else(|e| panic!("cannot connect to PostgreSQL: {e}\n{START_POSTGRES}"))
 }
+
+/// Starts the machine's PostgreSQL again when dropped, unless it runs: a test that restarts it
+/// holds one, so PostgreSQL is left running whatever happens between its stop and its start.
+#[derive(Debug)]
+pub struct KeepRunning;
+
+impl Drop for KeepRunning {
+    fn drop(&mut self) {
+        if pg_ctlcluster("status").is_err() {
+            if let Err(e) = pg_ctlcluster("start") {
+                eprintln!(
+                    "PostgreSQL is NOT running after the restart test: {e}\n{START_POSTGRES}"
+                );
+            }
+        }
+    }
+}
