@@ -44,6 +44,11 @@ pub const OUTBOX_PARKED_TOTAL: &str = "redeliver_outbox_parked_total";
 /// Upper bound on one connection attempt (TCP, TLS, AMQP handshake, the publisher's channels),
 /// so a black-holed broker address cannot hang the reconnect loop.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long opening the publisher's channels again on a live connection may take (they open in
+/// milliseconds; a connection the broker is closing never answers).
+const REOPEN_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long closing the broker connection may take (a broker going away may never answer).
+const CLOSE_TIMEOUT: Duration = Duration::from_secs(5);
 /// How long an exchange found by a passive declare is trusted to exist.
 const EXCHANGE_CHECK_TTL: Duration = Duration::from_secs(10);
 /// The longest `last_error` stored, in bytes.
@@ -292,9 +297,20 @@ impl Link {
         self.conn.status().connected()
     }
 
-    async fn reopen_publisher(&mut self) -> Result<(), PublishError> {
-        self.publisher = open_publisher(&self.conn, self.max_message_size).await?;
-        Ok(())
+    /// A new publisher on the same connection, within `timeout`. Bounded: a connection the
+    /// broker is closing (`stop_app`: its channels die a moment before the connection does)
+    /// can still say it is connected, and a channel opened on it then waits forever for its
+    /// `channel.open-ok`, with the round's transaction open.
+    async fn reopen_publisher(&mut self, timeout: Duration) -> Result<(), String> {
+        match tokio::time::timeout(timeout, open_publisher(&self.conn, self.max_message_size)).await
+        {
+            Ok(Ok(publisher)) => {
+                self.publisher = publisher;
+                Ok(())
+            }
+            Ok(Err(e)) => Err(e.to_string()),
+            Err(_) => Err(format!("no answer within {timeout:?}")),
+        }
     }
 
     /// Whether `exchange` exists (a passive declare, trusted for [`EXCHANGE_CHECK_TTL`]);
@@ -350,8 +366,13 @@ impl Link {
         }
     }
 
+    /// Closes the connection; bounded, as a broker that is going away may never answer.
     async fn close(self) {
-        let _ = self.conn.close(200, "relay stopped".into()).await;
+        let _ = tokio::time::timeout(
+            CLOSE_TIMEOUT,
+            self.conn.close(200, "relay stopped".into()),
+        )
+        .await;
     }
 }
 
@@ -865,7 +886,7 @@ impl Relay {
             }
             let fate = match self.publish_one(link, &m).await {
                 Fate::Lost(why) if link.connected() => {
-                    if let Err(e) = link.reopen_publisher().await {
+                    if let Err(e) = link.reopen_publisher(REOPEN_TIMEOUT).await {
                         round.lost = Some(format!("cannot reopen the publisher: {e}"));
                     }
                     Refusal::transient(
@@ -909,7 +930,7 @@ impl Relay {
                     suspects = suspects.len(),
                     "the broker closed the outbox relay's publishing channel; the rows of that round go out one at a time when next due"
                 );
-                if let Err(e) = link.reopen_publisher().await {
+                if let Err(e) = link.reopen_publisher(REOPEN_TIMEOUT).await {
                     round.lost = Some(format!("cannot reopen the publisher: {e}"));
                 }
             }
