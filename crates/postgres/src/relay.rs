@@ -368,11 +368,8 @@ impl Link {
 
     /// Closes the connection; bounded, as a broker that is going away may never answer.
     async fn close(self) {
-        let _ = tokio::time::timeout(
-            CLOSE_TIMEOUT,
-            self.conn.close(200, "relay stopped".into()),
-        )
-        .await;
+        let _ =
+            tokio::time::timeout(CLOSE_TIMEOUT, self.conn.close(200, "relay stopped".into())).await;
     }
 }
 
