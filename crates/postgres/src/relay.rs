@@ -7,9 +7,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use futures::future::join_all;
-use redeliver_amqp::lapin::options::ExchangeDeclareOptions;
-use redeliver_amqp::lapin::types::FieldTable;
-use redeliver_amqp::lapin::{Channel, Connection, ConnectionProperties, ExchangeKind};
+use redeliver_amqp::lapin::{Channel, Connection, ConnectionProperties};
 use redeliver_amqp::url::BrokerUrl;
 use redeliver_amqp::{DelayConfig, PublishError, Publisher, ServerInfo, TlsConfig};
 use redeliver_core::{Backoff, DeadLetterReason, Decision, HandlerError, Jitter, RetryPolicy};
@@ -337,25 +335,18 @@ impl Link {
                 c
             }
         };
-        let declared = tokio::time::timeout(
+        let found = tokio::time::timeout(
             timeout,
-            channel.exchange_declare(
-                exchange.into(),
-                ExchangeKind::Direct,
-                ExchangeDeclareOptions {
-                    passive: true,
-                    ..Default::default()
-                },
-                FieldTable::default(),
-            ),
+            redeliver_amqp::passive_exchange(&channel, exchange),
         )
         .await;
-        match declared {
-            Ok(Ok(())) => {
+        match found {
+            Ok(Ok(true)) => {
                 self.exchanges.insert(exchange.to_owned(), Instant::now());
                 Some(true)
             }
-            Ok(Err(e)) if redeliver_amqp::is_not_found(&e) => {
+            // The 404 closed the probe channel: the next check opens another.
+            Ok(Ok(false)) => {
                 self.probe = None;
                 Some(false)
             }
