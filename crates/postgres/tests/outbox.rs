@@ -14,8 +14,6 @@ use redeliver_postgres::{
     pending, Inbox, Outbox, OutboxMessage, Relay, Tx, OUTBOX_OLDEST_AGE_SECONDS, OUTBOX_PENDING,
 };
 use redeliver_testkit::{drain_queue, eventually, Cleanup};
-use redeliver_worker::lapin::options::QueueDeclareOptions;
-use redeliver_worker::lapin::types::FieldTable;
 use redeliver_worker::lapin::Connection;
 use redeliver_worker::{CancellationToken, Context, Handler, HandlerError, Raw};
 use sqlx::postgres::PgListener;
@@ -31,18 +29,7 @@ async fn broker() -> (Cleanup, Connection, String) {
     let cleanup = Cleanup(prefix.clone());
     let conn = redeliver_testkit::connect().await;
     let queue = format!("{prefix}out");
-    let ch = conn.create_channel().await.unwrap();
-    ch.queue_declare(
-        queue.as_str().into(),
-        QueueDeclareOptions {
-            durable: true,
-            ..Default::default()
-        },
-        FieldTable::default(),
-    )
-    .await
-    .unwrap();
-    let _ = ch.close(200, "ok".into()).await;
+    redeliver_testkit::declare_queue(&conn, &queue).await;
     (cleanup, conn, queue)
 }
 

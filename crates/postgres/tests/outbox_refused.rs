@@ -16,10 +16,8 @@ use redeliver_postgres::{
     pending, Error, OutboxMessage, ParkedFilter, ParkedRows, Relay, RelayState, OUTBOX_PARKED,
     OUTBOX_PARKED_TOTAL,
 };
-use redeliver_testkit::{drain_queue, Cleanup};
-use redeliver_worker::lapin::options::{
-    ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions,
-};
+use redeliver_testkit::{declare_queue, drain_queue, Cleanup};
+use redeliver_worker::lapin::options::{ExchangeDeclareOptions, QueueBindOptions};
 use redeliver_worker::lapin::types::FieldTable;
 use redeliver_worker::lapin::{Connection, ExchangeKind};
 use redeliver_worker::{CancellationToken, Jitter, RetryPolicy};
@@ -30,21 +28,6 @@ async fn broker() -> (Cleanup, Connection, String) {
     let prefix = redeliver_testkit::unique_prefix("rdpgr-", 8, "-");
     let conn = redeliver_testkit::connect().await;
     (Cleanup(prefix.clone()), conn, prefix)
-}
-
-async fn declare_queue(conn: &Connection, queue: &str) {
-    let ch = conn.create_channel().await.unwrap();
-    ch.queue_declare(
-        queue.into(),
-        QueueDeclareOptions {
-            durable: true,
-            ..Default::default()
-        },
-        FieldTable::default(),
-    )
-    .await
-    .unwrap();
-    let _ = ch.close(200, "ok".into()).await;
 }
 
 /// A relay of `db`'s outbox on the test broker, polling every 100 ms.

@@ -185,6 +185,27 @@ pub struct QueueDepth {
     pub consumers: u32,
 }
 
+/// Declares a durable classic queue `queue` on a throwaway channel (the default exchange routes
+/// to it by name).
+///
+/// # Panics
+///
+/// When the broker refuses: a test cannot go on without its queue.
+pub async fn declare_queue(conn: &Connection, queue: &str) {
+    let ch = conn.create_channel().await.expect("a channel");
+    ch.queue_declare(
+        queue.into(),
+        QueueDeclareOptions {
+            durable: true,
+            ..Default::default()
+        },
+        FieldTable::default(),
+    )
+    .await
+    .unwrap_or_else(|e| panic!("declaring queue {queue}: {e}"));
+    let _ = ch.close(200, "declared".into()).await;
+}
+
 /// The [`QueueDepth`] of `queue` right now, through a passive declare on a throwaway channel
 /// (a missing queue closes that channel, not the caller's).
 pub async fn queue_depth(conn: &Connection, queue: &str) -> Result<QueueDepth, lapin::Error> {
