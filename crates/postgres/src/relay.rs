@@ -243,8 +243,6 @@ struct Refusal {
     kind: &'static str,
     /// Retrying cannot help: parked at once.
     permanent: bool,
-    /// Unreadable rather than merely permanent.
-    unreadable: bool,
     error: String,
 }
 
@@ -253,7 +251,6 @@ impl Refusal {
         Fate::Refused(Refusal {
             kind,
             permanent: false,
-            unreadable: false,
             error,
         })
     }
@@ -262,7 +259,6 @@ impl Refusal {
         Fate::Refused(Refusal {
             kind,
             permanent: true,
-            unreadable: kind == "unreadable",
             error,
         })
     }
@@ -926,15 +922,6 @@ impl Relay {
         if round.lost.is_none() && !link.connected() {
             round.lost = Some("the connection closed".into());
         }
-        if round.lost.is_some() {
-            // Nothing the broker said during a round whose connection died is the row's doing.
-            for row in &mut taken {
-                if matches!(row.fate, Fate::Lost(_)) {
-                    row.fate = Fate::Untouched;
-                }
-            }
-        }
-
         self.record(tx, &taken, &mut round).await?;
         Ok(round)
     }
@@ -957,6 +944,7 @@ impl Relay {
                     published.push(row.id);
                     continue;
                 }
+                // A row whose publish died with its connection: not the row's doing.
                 Fate::Untouched | Fate::Lost(_) => continue,
                 Fate::Refused(r) => r,
             };
@@ -971,7 +959,7 @@ impl Relay {
                 Decision::DeadLetter(DeadLetterReason::Permanent)
                 | Decision::DeadLetter(DeadLetterReason::Named(_)) => (
                     None,
-                    Some(if r.unreadable {
+                    Some(if r.kind == "unreadable" {
                         ParkReason::Unreadable
                     } else {
                         ParkReason::Permanent
