@@ -58,6 +58,8 @@ impl Forward {
     ///
     /// The message's retries still count: with `max_retries` below `n - 1` it is dead-lettered
     /// (retries exhausted) before it would be forwarded.
+    ///
+    /// Read it back with [`Self::configured_after_attempts`].
     pub fn after_attempts(mut self, n: u32) -> Self {
         self.after_attempts = n.max(1);
         self
@@ -74,7 +76,7 @@ impl Forward {
     }
 
     /// The attempt from which failures are forwarded.
-    pub fn attempts(&self) -> u32 {
+    pub fn configured_after_attempts(&self) -> u32 {
         self.after_attempts
     }
 
@@ -146,7 +148,12 @@ mod tests {
         assert!(!f.due(1));
         assert!(f.due(2));
         assert!(f.due(u32::MAX));
-        assert_eq!(Forward::to_queue("q").after_attempts(0).attempts(), 1);
+        assert_eq!(
+            Forward::to_queue("q")
+                .after_attempts(0)
+                .configured_after_attempts(),
+            1
+        );
     }
 
     #[test]

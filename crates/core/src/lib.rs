@@ -14,7 +14,6 @@
 //! struct Malformed;
 //!
 //! let policy = RetryPolicy::exponential(Duration::from_millis(100))
-//!     .factor(2.0)
 //!     .cap(Duration::from_secs(60))
 //!     .jitter(Jitter::None)
 //!     .max_retries(5)
@@ -56,7 +55,10 @@
 //! # Delays
 //!
 //! [`Backoff`] gives the un-jittered delay of retry `n` (0 = first retry): constant, linear,
-//! exponential `min(cap, base * factor^n)`, or a fixed schedule. [`Jitter`] then randomises it:
+//! exponential `min(cap, base * factor^n)`, or a fixed schedule. A policy takes a backoff's
+//! parameters where it chooses the backoff: [`RetryPolicy::exponential`] (factor 2),
+//! [`RetryPolicy::linear`], [`RetryPolicy::constant`], [`RetryPolicy::fixed`], or any
+//! [`Backoff`] given whole to [`RetryPolicy::from_backoff`]. [`Jitter`] then randomises it:
 //! none, full `rand(0, d)`, equal `d/2 + rand(0, d/2)` or decorrelated
 //! `min(cap, rand(base, prev * 3))`. All arithmetic saturates: any attempt up to `u32::MAX` and
 //! any factor give a delay between zero and the cap, never a panic. Randomness comes from a
@@ -129,6 +131,7 @@ mod forward;
 mod jitter;
 mod nanos;
 mod policy;
+mod reason;
 
 pub use backoff::{Backoff, Delays};
 pub use budget::{BudgetConfig, BudgetExhausted, RetryBudget};
@@ -136,4 +139,5 @@ pub use clock::{Clock, ManualClock, SystemClock};
 pub use error::{error_chain, BoxError, Classifier, ErrorKind, HandlerError};
 pub use forward::{Forward, TimedOut};
 pub use jitter::Jitter;
-pub use policy::{DeadLetterReason, Decision, RetryPolicy, DEFAULT_CAP, DEFAULT_MAX_RETRIES};
+pub use policy::{Decision, RetryPolicy, DEFAULT_CAP, DEFAULT_MAX_RETRIES};
+pub use reason::DeadLetterReason;

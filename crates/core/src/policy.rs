@@ -12,6 +12,7 @@ use crate::budget::{BudgetExhausted, RetryBudget};
 use crate::error::{Classifier, ErrorKind, HandlerError};
 use crate::forward::Forward;
 use crate::jitter::{os_seeded_rng, Jitter};
+use crate::reason::DeadLetterReason;
 
 /// Cap of [`RetryPolicy::exponential`] unless [`RetryPolicy::cap`] sets another.
 pub const DEFAULT_CAP: Duration = Duration::from_secs(60);
@@ -36,51 +37,6 @@ pub enum Decision {
     Forward(Forward),
 }
 
-/// Why a message is dead-lettered.
-#[derive(Clone, Debug, PartialEq, Eq)]
-#[non_exhaustive]
-pub enum DeadLetterReason {
-    /// The error is permanent.
-    Permanent,
-    /// The message was already retried `retries` times, the policy's `max_retries`.
-    RetriesExhausted {
-        /// Retries done before this failure.
-        retries: u32,
-    },
-    /// The retry budget is empty and configured to dead-letter.
-    BudgetExhausted,
-    /// The error is of the forward kind but the policy has no [`Forward`] destination.
-    ForwardUnconfigured,
-    /// A permanent error whose reason the handler named
-    /// ([`HandlerError::permanent_because`]).
-    Named(&'static str),
-}
-
-impl DeadLetterReason {
-    /// A stable machine-readable name: `"permanent"`, `"retries_exhausted"`,
-    /// `"budget_exhausted"` or `"forward_unconfigured"`.
-    pub fn as_str(&self) -> &'static str {
-        match self {
-            DeadLetterReason::Permanent => "permanent",
-            DeadLetterReason::RetriesExhausted { .. } => "retries_exhausted",
-            DeadLetterReason::BudgetExhausted => "budget_exhausted",
-            DeadLetterReason::ForwardUnconfigured => "forward_unconfigured",
-            DeadLetterReason::Named(reason) => reason,
-        }
-    }
-}
-
-impl fmt::Display for DeadLetterReason {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            DeadLetterReason::RetriesExhausted { retries } => {
-                write!(f, "retries_exhausted after {retries} retries")
-            }
-            other => f.write_str(other.as_str()),
-        }
-    }
-}
-
 /// Backoff, jitter, `max_retries`, error classification and an optional retry budget, turned
 /// into a [`Decision`] for each failure.
 ///
@@ -91,7 +47,6 @@ impl fmt::Display for DeadLetterReason {
 /// use redeliver::{Decision, HandlerError, Jitter, RetryPolicy};
 ///
 /// let policy = RetryPolicy::exponential(Duration::from_millis(100))
-///     .factor(2.0)
 ///     .cap(Duration::from_secs(60))
 ///     .jitter(Jitter::Full)
 ///     .max_retries(5)
@@ -106,6 +61,13 @@ impl fmt::Display for DeadLetterReason {
 ///     other => panic!("unexpected {other:?}"),
 /// }
 /// ```
+///
+/// The constructor chooses the backoff and takes the parameters only it has:
+/// [`exponential`](Self::exponential) a base, [`linear`](Self::linear) a base and a step,
+/// [`constant`](Self::constant) a delay, [`fixed`](Self::fixed) a schedule. A backoff with other
+/// parameters (an exponential factor other than 2) is given whole to
+/// [`from_backoff`](Self::from_backoff). The setters then apply to whatever backoff was chosen:
+/// [`cap`](Self::cap) bounds every one, the others do not touch the backoff.
 ///
 /// Rules of [`decide`](Self::decide), in order:
 /// 1. the error is classified (see [`Classifier`]); permanent →
@@ -135,6 +97,21 @@ pub struct RetryPolicy {
 impl RetryPolicy {
     /// A policy on any backoff: no jitter, [`DEFAULT_MAX_RETRIES`] (or the schedule's length for
     /// [`Backoff::Fixed`]), default classifier, no budget.
+    ///
+    /// The way to a growth factor other than [`exponential`](Self::exponential)'s 2:
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use redeliver::{Backoff, Jitter, RetryPolicy};
+    ///
+    /// let policy = RetryPolicy::from_backoff(Backoff::Exponential {
+    ///     base: Duration::from_millis(100),
+    ///     factor: 3.0,
+    ///     cap: Duration::from_secs(60),
+    /// })
+    /// .jitter(Jitter::Full);
+    /// assert_eq!(policy.configured_backoff().delay(2), Duration::from_millis(900));
+    /// ```
     pub fn from_backoff(backoff: Backoff) -> Self {
         let max_retries = match &backoff {
             Backoff::Fixed(d) => u32::try_from(d.len()).unwrap_or(u32::MAX),
@@ -189,9 +166,10 @@ impl RetryPolicy {
     /// `countdown = min(600, 1 * 2**retries)` seconds, then `random.randrange(countdown + 1)`,
     /// in whole seconds.
     ///
-    /// Equivalent to `RetryPolicy::exponential(1 s).factor(2.0).cap(600 s).jitter(Jitter::Full)
-    /// .granularity(1 s).max_retries(3)`. Celery's `retry_backoff = n` is
-    /// [`base`](Self::base)`(n s)`; see the crate docs for the full mapping.
+    /// Equivalent to `RetryPolicy::exponential(1 s).cap(600 s).granularity(1 s).max_retries(3)`
+    /// (an exponential policy has factor 2 and full jitter already). Celery's
+    /// `retry_backoff = n` is that with `exponential(n s)`; see the crate docs for the full
+    /// mapping.
     ///
     /// ```
     /// use std::time::Duration;
@@ -203,9 +181,7 @@ impl RetryPolicy {
     /// ```
     pub fn celery() -> Self {
         Self::exponential(Duration::from_secs(1))
-            .factor(2.0)
             .cap(Duration::from_secs(600))
-            .jitter(Jitter::Full)
             .granularity(Duration::from_secs(1))
             .max_retries(3)
     }
@@ -214,26 +190,6 @@ impl RetryPolicy {
     /// [`DeadLetterReason::RetriesExhausted`]).
     pub fn none() -> Self {
         Self::constant(Duration::ZERO).max_retries(0)
-    }
-
-    /// Growth factor of an exponential backoff; ignored by other backoffs. NaN or values below
-    /// 1.0 act as 1.0.
-    pub fn factor(mut self, f: f64) -> Self {
-        if let Backoff::Exponential { factor, .. } = &mut self.backoff {
-            *factor = f;
-        }
-        self
-    }
-
-    /// First delay: the base of a linear or exponential backoff, the delay of a constant one;
-    /// ignored by a fixed schedule.
-    pub fn base(mut self, d: Duration) -> Self {
-        match &mut self.backoff {
-            Backoff::Constant(c) => *c = d,
-            Backoff::Linear { base, .. } | Backoff::Exponential { base, .. } => *base = d,
-            Backoff::Fixed(_) => {}
-        }
-        self
     }
 
     /// Upper bound of every delay (jitter included). A constant delay or a fixed schedule is
@@ -247,10 +203,11 @@ impl RetryPolicy {
         self
     }
 
-    /// Replaces the backoff.
+    /// Replaces the backoff the constructor chose, keeping every other setting (jitter,
+    /// `max_retries`, granularity, ...).
     ///
-    /// Read it back with [`Self::backoff`].
-    pub fn with_backoff(mut self, b: Backoff) -> Self {
+    /// Read it back with [`Self::configured_backoff`].
+    pub fn backoff(mut self, b: Backoff) -> Self {
         self.backoff = b;
         self
     }
@@ -322,7 +279,7 @@ impl RetryPolicy {
     }
 
     /// The backoff.
-    pub fn backoff(&self) -> &Backoff {
+    pub fn configured_backoff(&self) -> &Backoff {
         &self.backoff
     }
 
@@ -545,12 +502,11 @@ mod tests {
     #[test]
     fn builder_from_the_issue() {
         let p = RetryPolicy::exponential(ms(100))
-            .factor(2.0)
             .cap(secs(60))
             .jitter(Jitter::Full)
             .max_retries(5);
         assert_eq!(
-            p.backoff(),
+            p.configured_backoff(),
             &Backoff::Exponential {
                 base: ms(100),
                 factor: 2.0,
@@ -571,13 +527,13 @@ mod tests {
         let p = RetryPolicy::exponential(ms(100));
         assert_eq!(p.configured_jitter(), Jitter::Full);
         assert_eq!(p.configured_max_retries(), DEFAULT_MAX_RETRIES);
-        assert_eq!(p.backoff().cap(), DEFAULT_CAP);
+        assert_eq!(p.configured_backoff().cap(), DEFAULT_CAP);
         assert_eq!(
             RetryPolicy::constant(ms(1)).configured_jitter(),
             Jitter::None
         );
         assert_eq!(
-            RetryPolicy::linear(ms(1), ms(2)).backoff().cap(),
+            RetryPolicy::linear(ms(1), ms(2)).configured_backoff().cap(),
             Duration::MAX
         );
         assert_eq!(
@@ -585,13 +541,13 @@ mod tests {
             3
         );
         assert_eq!(RetryPolicy::none().configured_max_retries(), 0);
-        assert_eq!(RetryPolicy::default().backoff().base(), secs(1));
+        assert_eq!(RetryPolicy::default().configured_backoff().base(), secs(1));
         let c = RetryPolicy::celery();
         assert_eq!(c.configured_max_retries(), 3);
         assert_eq!(c.configured_jitter(), Jitter::Full);
         assert_eq!(c.configured_granularity(), secs(1));
         assert_eq!(
-            c.backoff(),
+            c.configured_backoff(),
             &Backoff::Exponential {
                 base: secs(1),
                 factor: 2.0,
@@ -602,19 +558,23 @@ mod tests {
 
     #[test]
     fn setters_on_other_backoffs() {
-        let p = RetryPolicy::constant(secs(10)).factor(9.0).cap(secs(3));
-        assert_eq!(p.backoff(), &Backoff::Constant(secs(3)));
-        let p = RetryPolicy::fixed([secs(1), secs(5)])
-            .cap(secs(2))
-            .base(secs(9));
-        assert_eq!(p.backoff(), &Backoff::Fixed(vec![secs(1), secs(2)]));
-        let p = RetryPolicy::linear(secs(1), secs(1))
-            .cap(secs(3))
-            .base(secs(2));
+        let p = RetryPolicy::constant(secs(10)).cap(secs(3));
+        assert_eq!(p.configured_backoff(), &Backoff::Constant(secs(3)));
+        let p = RetryPolicy::fixed([secs(1), secs(5)]).cap(secs(2));
+        assert_eq!(
+            p.configured_backoff(),
+            &Backoff::Fixed(vec![secs(1), secs(2)])
+        );
+        let p = RetryPolicy::linear(secs(2), secs(1)).cap(secs(3));
         assert_eq!(p.delay_for(5, None), secs(3));
         assert_eq!(p.delay_for(0, None), secs(2));
-        let p = RetryPolicy::none().with_backoff(Backoff::Constant(ms(7)));
+        let p = RetryPolicy::none().backoff(Backoff::Constant(ms(7)));
         assert_eq!(p.delay_for(0, None), ms(7));
+        assert_eq!(
+            p.configured_max_retries(),
+            0,
+            "replacing the backoff keeps the rest"
+        );
     }
 
     #[test]
@@ -649,8 +609,12 @@ mod tests {
         let want = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 600, 600].map(secs);
         assert_eq!(got, want);
         assert_eq!(p.delay_for(u32::MAX, None), secs(600));
-        // retry_backoff = 3: factor 3 seconds.
-        let p = RetryPolicy::celery().base(secs(3)).jitter(Jitter::None);
+        // retry_backoff = 3: a base of 3 seconds, the rest of Celery's defaults.
+        let p = RetryPolicy::exponential(secs(3))
+            .cap(secs(600))
+            .granularity(secs(1))
+            .max_retries(3)
+            .jitter(Jitter::None);
         let got: Vec<u64> = (0..10).map(|n| p.delay_for(n, None).as_secs()).collect();
         assert_eq!(got, [3, 6, 12, 24, 48, 96, 192, 384, 600, 600]);
     }

@@ -150,7 +150,9 @@ proptest! {
         n in attempt(),
         seed in any::<u64>(),
     ) {
-        let p = RetryPolicy::exponential(base).factor(f).cap(cap).jitter(j).max_retries(u32::MAX).seed(seed);
+        // Uncapped backoff, then the policy's cap: the setter must bound it too.
+        let b = Backoff::Exponential { base, factor: f, cap: Duration::MAX };
+        let p = RetryPolicy::from_backoff(b).cap(cap).jitter(j).max_retries(u32::MAX).seed(seed);
         match p.decide(n, None, &HandlerError::transient("x")) {
             Decision::Retry { delay, attempt } => {
                 prop_assert!(delay <= cap);
