@@ -20,7 +20,7 @@ pub const DEFAULT_JITTERED_HOPS: u8 = 4;
 
 /// What to do with a delay above [`DelayConfig::max_delay`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
-pub enum OverMax {
+pub(crate) enum OverMax {
     /// Refuse it with [`DelayError::TooLong`].
     #[default]
     Reject,
@@ -143,7 +143,7 @@ impl DelayConfig {
 
     /// Clamp delays above the maximum to the maximum instead of refusing them.
     ///
-    /// Read it back with [`Self::over_max`].
+    /// Read it back with [`Self::configured_clamp_over_max`].
     pub fn clamp_over_max(mut self, yes: bool) -> Self {
         self.over_max = if yes { OverMax::Clamp } else { OverMax::Reject };
         self
@@ -187,9 +187,9 @@ impl DelayConfig {
         self.queue_type
     }
 
-    /// What happens to delays above the maximum.
-    pub fn over_max(&self) -> OverMax {
-        self.over_max
+    /// Whether delays above the maximum are clamped to it (else refused).
+    pub fn configured_clamp_over_max(&self) -> bool {
+        self.over_max == OverMax::Clamp
     }
 
     /// Checks granularity and level count.

@@ -272,7 +272,7 @@ impl Topology {
         conn: &lapin::Connection,
         held: HeldMessages,
     ) -> Result<Vec<QueueMessages>, TopologyError> {
-        let discarded = self.delay_config().delete_checked(conn, held).await?;
+        let discarded = self.configured_delay().delete_checked(conn, held).await?;
         self.delete(conn).await?;
         Ok(discarded)
     }

@@ -25,8 +25,18 @@ pub const ORIGINAL_EXCHANGE: &str = "x-redeliver-original-exchange";
 pub const ORIGINAL_ROUTING_KEY: &str = "x-redeliver-original-routing-key";
 /// Delay in milliseconds applied to reach this copy (input of decorrelated jitter).
 pub const DELAY_MS: &str = "x-redeliver-delay-ms";
-/// Why the worker dead-lettered a message (`Annotate` mode): `permanent`, `retries_exhausted`,
-/// `budget_exhausted`, `undecodable`, `too_large`, `requeue_limit`.
+/// Earliest time (Unix milliseconds, a long) the retry may run: set by a native retry (RabbitMQ
+/// 4.3+ holds the message until then), checked by every worker before it runs a handler, so a
+/// broker that ignores the delivery time never makes a handler run early.
+pub const NOT_BEFORE: &str = "x-redeliver-not-before";
+/// The prefix RabbitMQ requires of application message annotations over AMQP 1.0: a native
+/// retry or dead letter carries `x-opt-redeliver-*` where a copy carries `x-redeliver-*`, and an
+/// AMQP 0-9-1 reader sees those annotations as headers of that name. Every reader of this
+/// module accepts both spellings ([`annotation_name`]).
+pub const ANNOTATION_PREFIX: &str = "x-opt-";
+/// Why the worker dead-lettered a message (`Annotate` mode): the name of a
+/// `redeliver::DeadLetterReason` (`permanent`, `retries_exhausted`, `undecodable`, ..., or one
+/// the handler gave), which lists them all.
 pub const DEAD_LETTER_REASON: &str = "x-redeliver-dead-letter-reason";
 /// The final error, with its `source()` chain, truncated to [`DEAD_LETTER_ERROR_MAX_BYTES`]
 /// (`Annotate` mode).
@@ -95,6 +105,8 @@ pub struct RetryState {
     pub original_routing_key: Option<String>,
     /// Delay applied to reach this copy.
     pub delay: Option<Duration>,
+    /// [`NOT_BEFORE`]: the earliest time this retry may run, in Unix milliseconds.
+    pub not_before_ms: Option<u64>,
 }
 
 impl RetryState {
@@ -123,7 +135,7 @@ impl RetryState {
         let Some(t) = headers else {
             return Self::default();
         };
-        let get = |k: &str| t.inner().get(k);
+        let get = |k: &str| lookup(t, k);
         Self {
             attempt: get(ATTEMPT)
                 .and_then(as_u64)
@@ -144,7 +156,16 @@ impl RetryState {
             delay: get(DELAY_MS)
                 .and_then(as_u64_long)
                 .map(Duration::from_millis),
+            not_before_ms: get(NOT_BEFORE).and_then(as_u64_long),
         }
+    }
+
+    /// How long before [`not_before_ms`](Self::not_before_ms) `now_ms` is: `None` when the retry
+    /// is due (or carries no such time).
+    pub fn early_by(&self, now_ms: u64) -> Option<Duration> {
+        self.not_before_ms
+            .filter(|&t| t > now_ms)
+            .map(|t| Duration::from_millis(t - now_ms))
     }
 
     /// Writes the state into `headers`, replacing any previous `x-redeliver-*` value.
@@ -180,6 +201,25 @@ impl RetryState {
             self.delay
                 .map(|d| AMQPValue::LongLongInt(i64::try_from(d.as_millis()).unwrap_or(i64::MAX))),
         );
+        set(
+            NOT_BEFORE,
+            self.not_before_ms
+                .map(|t| AMQPValue::LongLongInt(i64::try_from(t).unwrap_or(i64::MAX))),
+        );
+        // A native retry's annotations, read above, are now written under their copy names.
+        for k in [
+            ATTEMPT,
+            FIRST_FAILED_AT,
+            LAST_ERROR,
+            ORIGINAL_EXCHANGE,
+            ORIGINAL_ROUTING_KEY,
+            DELAY_MS,
+            NOT_BEFORE,
+        ] {
+            if let Some(annotation) = annotation_name(k) {
+                map.remove(annotation.as_str());
+            }
+        }
         *headers = FieldTable::from(map);
     }
 }
@@ -355,7 +395,7 @@ impl DeadLetterInfo {
     /// dead-lettered by the broker: see its `x-death`). Tolerant like [`RetryState::read`].
     pub fn read(headers: Option<&FieldTable>) -> Option<Self> {
         let t = headers?;
-        let get = |k: &str| t.inner().get(k);
+        let get = |k: &str| lookup(t, k);
         let text = |k: &str| get(k).and_then(as_string).filter(|s| !s.is_empty());
         Some(Self {
             reason: text(DEAD_LETTER_REASON)?,
@@ -538,6 +578,28 @@ pub(crate) fn truncate_to(s: &str, max: usize) -> String {
     s[..end].to_owned()
 }
 
+/// The AMQP 1.0 annotation spelling of an `x-redeliver-*` header (`x-opt-redeliver-*`); `None`
+/// for a name outside `x-`.
+///
+/// ```
+/// use redeliver::amqp::headers::{annotation_name, ATTEMPT};
+/// assert_eq!(annotation_name(ATTEMPT).as_deref(), Some("x-opt-redeliver-attempt"));
+/// ```
+pub fn annotation_name(header: &str) -> Option<String> {
+    header
+        .strip_prefix("x-")
+        .map(|rest| format!("{ANNOTATION_PREFIX}{rest}"))
+}
+
+/// `k`'s annotation spelling (a native retry or dead letter read over AMQP 0-9-1), else `k`.
+/// The annotation wins: a native retry adds it beside whatever plain header the message had (a
+/// publisher's, an earlier copy's), which it cannot remove, so it is always the newer one.
+fn lookup<'t>(t: &'t FieldTable, k: &str) -> Option<&'t AMQPValue> {
+    annotation_name(k)
+        .and_then(|a| t.inner().get(a.as_str()))
+        .or_else(|| t.inner().get(k))
+}
+
 /// Truncates `s` to at most [`LAST_ERROR_MAX_BYTES`] bytes, cutting on a char boundary.
 ///
 /// ```
@@ -648,10 +710,13 @@ mod tests {
             original_exchange: Some("ex".into()),
             original_routing_key: Some("rk.a".into()),
             delay: Some(Duration::from_millis(1234)),
+            not_before_ms: Some(1_700_000_000_000),
         };
         let mut t = FieldTable::default();
         s.write(&mut t);
         assert_eq!(RetryState::read(Some(&t)), s);
+        assert_eq!(s.early_by(1_699_999_999_000), Some(Duration::from_secs(1)));
+        assert_eq!(s.early_by(1_700_000_000_000), None);
         let cleared = RetryState {
             attempt: 4,
             ..Default::default()
@@ -659,6 +724,37 @@ mod tests {
         cleared.write(&mut t);
         assert_eq!(RetryState::read(Some(&t)), cleared);
         assert!(!t.contains_key(LAST_ERROR));
+    }
+
+    /// A native retry's annotations (`x-opt-redeliver-*`), seen as headers by an AMQP 0-9-1
+    /// reader, are read as the copy's headers are; writing moves them to the copy's names.
+    #[test]
+    fn annotation_spellings_are_read_too() {
+        let mut t = table(vec![
+            ("x-opt-redeliver-attempt", AMQPValue::LongLongInt(2)),
+            (
+                "x-opt-redeliver-last-error",
+                AMQPValue::LongString("boom".into()),
+            ),
+            ("x-opt-redeliver-not-before", AMQPValue::LongLongInt(5)),
+            (
+                "x-opt-redeliver-dead-letter-reason",
+                AMQPValue::LongString("exhausted".into()),
+            ),
+        ]);
+        let state = RetryState::read(Some(&t));
+        assert_eq!(state.attempt, 2);
+        assert_eq!(state.last_error.as_deref(), Some("boom"));
+        assert_eq!(state.not_before_ms, Some(5));
+        let info = DeadLetterInfo::read(Some(&t)).map(|i| i.reason);
+        assert_eq!(info.as_deref(), Some("exhausted"));
+        RetryState {
+            attempt: 3,
+            ..state
+        }
+        .write(&mut t);
+        assert!(!t.contains_key("x-opt-redeliver-attempt"));
+        assert_eq!(RetryState::read(Some(&t)).attempt, 3);
     }
 
     #[test]

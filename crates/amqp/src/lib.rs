@@ -28,7 +28,7 @@
 //! let conn = Connection::connect("amqp://guest:guest@127.0.0.1:5672/%2f", ConnectionProperties::default()).await?;
 //! let topo = Topology::new("images");
 //! topo.declare(&conn).await?;
-//! let publisher = Publisher::new(&conn, topo.delay_config().clone()).await?;
+//! let publisher = Publisher::new(&conn, topo.configured_delay().clone()).await?;
 //! publisher
 //!     .publish_delayed(&topo.queue_name(), Duration::from_millis(1500), b"{}", Default::default())
 //!     .await?;
@@ -63,7 +63,7 @@ mod topology;
 pub use lapin;
 
 pub use declare::{passive_exchange, passive_queue, QueueType, OPERATOR_DELIVERY_LIMIT};
-pub use delay::{DelayConfig, DelayRoute, OverMax, DEFAULT_JITTERED_HOPS};
+pub use delay::{DelayConfig, DelayRoute, DEFAULT_JITTERED_HOPS};
 pub use delete::{HeldMessages, QueueMessages};
 pub use error::{is_not_found, DelayConfigError, DelayError, TopologyError};
 pub use frame_guard::{headers_removed, HeadersRemoved, HEADERS_REMOVED, MAX_HEADER_DEPTH};

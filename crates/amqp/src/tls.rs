@@ -49,6 +49,8 @@ impl TlsConfig {
     }
 
     /// Also trust the CA certificates of this PEM file (a private CA), next to the system's.
+    ///
+    /// Read it back with [`Self::configured_ca_file`].
     pub fn ca_file(mut self, path: impl Into<PathBuf>) -> Self {
         self.ca_file = Some(path.into());
         self
@@ -56,6 +58,8 @@ impl TlsConfig {
 
     /// Present this client certificate (PEM, the chain after it allowed) with its private key
     /// (PEM: PKCS#8, PKCS#1 or SEC1) for mutual TLS.
+    ///
+    /// Read it back with [`Self::configured_client_cert`].
     pub fn client_cert(mut self, cert: impl Into<PathBuf>, key: impl Into<PathBuf>) -> Self {
         self.client_cert = Some((cert.into(), key.into()));
         self
@@ -63,25 +67,27 @@ impl TlsConfig {
 
     /// Log in with SASL EXTERNAL: the broker takes the identity from the client certificate.
     /// Needs [`Self::client_cert`] and an `amqps://` URL.
+    ///
+    /// Read it back with [`Self::configured_sasl_external`].
     pub fn sasl_external(mut self, yes: bool) -> Self {
         self.sasl_external = yes;
         self
     }
 
     /// The CA bundle, if any.
-    pub fn ca_path(&self) -> Option<&Path> {
+    pub fn configured_ca_file(&self) -> Option<&Path> {
         self.ca_file.as_deref()
     }
 
     /// The client certificate and key, if any.
-    pub fn client_cert_paths(&self) -> Option<(&Path, &Path)> {
+    pub fn configured_client_cert(&self) -> Option<(&Path, &Path)> {
         self.client_cert
             .as_ref()
             .map(|(c, k)| (c.as_path(), k.as_path()))
     }
 
     /// Whether SASL EXTERNAL is asked for.
-    pub fn uses_sasl_external(&self) -> bool {
+    pub fn configured_sasl_external(&self) -> bool {
         self.sasl_external
     }
 
@@ -246,7 +252,7 @@ pub async fn connect_url(
 ) -> Result<Connection, ConnectError> {
     tls.check(url)?;
     let mut uri = url.uri().clone();
-    if tls.uses_sasl_external() {
+    if tls.configured_sasl_external() {
         uri.query.auth_mechanism = Some(SASLMechanism::External);
     }
     let owned = if url.is_tls() {

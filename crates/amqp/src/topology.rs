@@ -28,6 +28,27 @@ pub enum TopologyWarning {
         /// The alternate exchange it lacks.
         alternate_exchange: String,
     },
+    /// `Q` exists without (or with other) delayed-retry arguments ([`Topology::delayed_retry`]):
+    /// native retries work, but a delivery that fails without a delivery time (a crashed
+    /// consumer) comes back at once. RabbitMQ refuses to add the arguments to an existing queue;
+    /// a policy can.
+    #[error("queue '{queue}' was declared without x-delayed-retry-type: native retries work, but a crash loop is not backed off; add it with a policy: rabbitmqctl set_policy --apply-to quorum_queues {queue}-delayed-retry '^{queue}$' '{{\"delayed-retry-type\":\"failed\",\"delayed-retry-min\":1000,\"delayed-retry-max\":60000}}'")]
+    QueueWithoutDelayedRetry {
+        /// `Q`.
+        queue: String,
+    },
+}
+
+/// RabbitMQ 4.3's queue argument for delayed retry of failed deliveries.
+const DELAYED_RETRY_TYPE: &str = "x-delayed-retry-type";
+/// Every delayed-retry argument starts so.
+const DELAYED_RETRY_PREFIX: &str = "x-delayed-retry-";
+
+/// [`Topology::delayed_retry`]'s bounds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct DelayedRetry {
+    min: Duration,
+    max: Duration,
 }
 
 /// A binding of the consumer queue to a user exchange.
@@ -67,6 +88,7 @@ pub struct Topology {
     prefix: String,
     queue_type: QueueType,
     delivery_limit: Option<u32>,
+    delayed_retry: Option<DelayedRetry>,
     dlq_message_ttl: Option<Duration>,
     dlq_max_length: Option<u64>,
     dlq_queue_type: QueueType,
@@ -83,6 +105,7 @@ impl Topology {
             prefix: String::new(),
             queue_type: QueueType::Quorum,
             delivery_limit: Some(20),
+            delayed_retry: None,
             dlq_message_ttl: None,
             dlq_max_length: None,
             dlq_queue_type: QueueType::Classic,
@@ -127,6 +150,27 @@ impl Topology {
         self
     }
 
+    /// Declares a new quorum `Q` with RabbitMQ 4.3's delayed retry (`x-delayed-retry-type =
+    /// failed`, `x-delayed-retry-min`, `x-delayed-retry-max`): a delivery that fails without a
+    /// delivery time of its own (a consumer that crashed) comes back after `min × its delivery
+    /// count`, at most `max`, instead of at once. The worker sets it in native retry mode, from
+    /// its policy's base and cap. Ignored for classic queues.
+    ///
+    /// An existing `Q` keeps what it was declared with, in both directions (RabbitMQ refuses a
+    /// redeclare that adds or drops these arguments): declaring goes on with the queue as found,
+    /// and [`Self::declare_with_warnings`] says when it lacks them. A policy adds them to such a
+    /// queue: `rabbitmqctl set_policy --apply-to quorum_queues NAME '^Q$'
+    /// '{"delayed-retry-type":"failed","delayed-retry-min":1000,"delayed-retry-max":60000}'`.
+    pub fn delayed_retry(mut self, min: Duration, max: Duration) -> Self {
+        self.delayed_retry = Some(DelayedRetry { min, max });
+        self
+    }
+
+    /// The delayed retry [`Self::delayed_retry`] set, as `(min, max)`.
+    pub fn configured_delayed_retry(&self) -> Option<(Duration, Duration)> {
+        self.delayed_retry.map(|d| (d.min, d.max))
+    }
+
     /// Retention of dead-lettered messages (`x-message-ttl` on `Q.dlq`); none by default.
     pub fn dlq_message_ttl(mut self, d: Duration) -> Self {
         self.dlq_message_ttl = Some(d);
@@ -162,7 +206,7 @@ impl Topology {
     /// Also bind the queue to the user's `exchange` (as given, no prefix; it must exist)
     /// with `routing_key`.
     ///
-    /// Read it back with [`Self::bindings`].
+    /// Read them back with [`Self::configured_bindings`].
     pub fn bind(mut self, exchange: impl Into<String>, routing_key: impl Into<String>) -> Self {
         self.bindings.push(Binding {
             exchange: exchange.into(),
@@ -173,15 +217,16 @@ impl Topology {
 
     /// Use this delay configuration (its own prefix wins over [`Self::prefix`]).
     ///
-    /// Read it back with [`Self::delay_config`].
+    /// Read it back with [`Self::configured_delay`].
     pub fn delay(mut self, cfg: DelayConfig) -> Self {
         self.delay = cfg;
         self.delay_given = true;
         self
     }
 
-    /// The delay configuration in use.
-    pub fn delay_config(&self) -> &DelayConfig {
+    /// The delay configuration: the one given to [`Self::delay`], or else the default one with
+    /// this topology's prefix.
+    pub fn configured_delay(&self) -> &DelayConfig {
         &self.delay
     }
 
@@ -205,8 +250,8 @@ impl Topology {
         self.delivery_limit
     }
 
-    /// The user bindings.
-    pub fn bindings(&self) -> &[Binding] {
+    /// The user bindings, one per [`Self::bind`] call.
+    pub fn configured_bindings(&self) -> &[Binding] {
         &self.bindings
     }
 
@@ -240,6 +285,14 @@ impl Topology {
             }
             t.insert("x-dead-letter-strategy".into(), text("at-least-once"));
             t.insert("x-overflow".into(), text("reject-publish"));
+            if let Some(d) = self.delayed_retry {
+                let ms = |d: Duration| {
+                    AMQPValue::LongLongInt(i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
+                };
+                t.insert(DELAYED_RETRY_TYPE.into(), text("failed"));
+                t.insert("x-delayed-retry-min".into(), ms(d.min));
+                t.insert("x-delayed-retry-max".into(), ms(d.max));
+            }
         }
         t
     }
@@ -386,9 +439,37 @@ impl Topology {
             }
             Err(e) => return Err(e),
         }
-        declare::Session::new(conn)
+        match declare::Session::new(conn)
             .run_all(self.own_ops(false))
-            .await?;
+            .await
+        {
+            Ok(()) => {}
+            // `Q` exists with other delayed-retry arguments (added or dropped by a policy, by a
+            // worker of the other retry mode, by an earlier version): take it as it is.
+            Err(TopologyError::Mismatch {
+                argument: Some(a), ..
+            }) if a.starts_with(DELAYED_RETRY_PREFIX) => {
+                let as_found = Self {
+                    delayed_retry: None,
+                    ..self.clone()
+                };
+                let mut ops = as_found.own_ops(false);
+                for op in &mut ops {
+                    if let Op::Queue { name, passive, .. } = op {
+                        if *name == self.queue_name() {
+                            *passive = true;
+                        }
+                    }
+                }
+                declare::Session::new(conn).run_all(ops).await?;
+                if self.delayed_retry.is_some() {
+                    warnings.push(TopologyWarning::QueueWithoutDelayedRetry {
+                        queue: self.queue_name(),
+                    });
+                }
+            }
+            Err(e) => return Err(e),
+        }
         Ok(warnings)
     }
 
@@ -433,7 +514,7 @@ mod tests {
         assert_eq!(t.queue_name(), "t.orders");
         assert_eq!(t.dlx_name(), "t.orders.dlx");
         assert_eq!(t.dlq_name(), "t.orders.dlq");
-        assert_eq!(t.delay_config().configured_prefix(), "t.");
+        assert_eq!(t.configured_delay().configured_prefix(), "t.");
         let a = describe_args(&t.queue_arguments());
         assert_eq!(
             a,
@@ -461,7 +542,7 @@ mod tests {
         let given = Topology::new("q")
             .delay(DelayConfig::new().prefix("d."))
             .prefix("p.");
-        assert_eq!(given.delay_config().configured_prefix(), "d.");
+        assert_eq!(given.configured_delay().configured_prefix(), "d.");
         let none = Topology::new("q").delivery_limit(None);
         assert!(!none.queue_arguments().contains_key("x-delivery-limit"));
         assert!(Topology::new("a..b").validate().is_err());

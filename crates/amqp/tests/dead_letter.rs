@@ -21,7 +21,10 @@ fn topo(prefix: &str, queue: &str) -> Topology {
 
 async fn cleanup(conn: &redeliver_amqp::lapin::Connection, t: &Topology) {
     t.delete(conn).await.expect("delete topology");
-    t.delay_config().delete(conn).await.expect("delete delay");
+    t.configured_delay()
+        .delete(conn)
+        .await
+        .expect("delete delay");
 }
 
 #[tokio::test]
@@ -60,7 +63,7 @@ async fn reject_to_dlq(t: Topology) {
     redeliver_testkit::with_cleanup(
         async {
             t.declare(&conn).await.unwrap();
-            let publisher = Publisher::new(&conn, t.delay_config().clone())
+            let publisher = Publisher::new(&conn, t.configured_delay().clone())
                 .await
                 .unwrap();
             let q = t.queue_name();
@@ -147,7 +150,7 @@ async fn quorum_delivery_limit_dead_letters() {
     redeliver_testkit::with_cleanup(
         async {
             t.declare(&conn).await.unwrap();
-            let publisher = Publisher::new(&conn, t.delay_config().clone())
+            let publisher = Publisher::new(&conn, t.configured_delay().clone())
                 .await
                 .unwrap();
             let q = t.queue_name();
@@ -201,7 +204,7 @@ async fn classic_queue_dead_letters_too() {
         async {
             t.declare(&conn).await.unwrap();
             t.declare(&conn).await.expect("idempotent");
-            let publisher = Publisher::new(&conn, t.delay_config().clone())
+            let publisher = Publisher::new(&conn, t.configured_delay().clone())
                 .await
                 .unwrap();
             publisher

@@ -93,7 +93,10 @@ async fn with_cleanup_topo(
 ) {
     redeliver_testkit::with_cleanup(body, async {
         t.delete(conn).await.expect("delete topology");
-        t.delay_config().delete(conn).await.expect("delete delay");
+        t.configured_delay()
+            .delete(conn)
+            .await
+            .expect("delete delay");
     })
     .await;
 }
@@ -103,7 +106,7 @@ async fn refused_while_delay_queues_hold_messages_then_discarded() {
     let conn = redeliver_testkit::connect().await;
     let p = common::prefix();
     let t = topo(&p, "keep");
-    let cfg = t.delay_config().clone();
+    let cfg = t.configured_delay().clone();
     with_cleanup_topo(&conn, &t, async {
         t.declare(&conn).await.expect("declare");
         // Other services' retries waiting in level 2, one parked message, one in Q.
@@ -175,7 +178,7 @@ async fn empty_delay_infrastructure_is_deleted_and_deleting_again_is_fine() {
     let conn = redeliver_testkit::connect().await;
     let p = common::prefix();
     let t = topo(&p, "empty");
-    let cfg = t.delay_config().clone();
+    let cfg = t.configured_delay().clone();
     with_cleanup_topo(&conn, &t, async {
         t.declare(&conn).await.expect("declare");
         let discarded = t

@@ -48,7 +48,7 @@ async fn dead_letters_without_a_dlq_are_parked() {
     assert!(warnings.is_empty(), "{warnings:?}");
     let q = t.queue_name();
     let dlq = t.dlq_name();
-    let parking = t.delay_config().unroutable_name();
+    let parking = t.configured_delay().unroutable_name();
 
     let ch = conn.create_channel().await.unwrap();
     ch.confirm_select(Default::default()).await.unwrap();

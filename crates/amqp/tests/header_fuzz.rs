@@ -113,14 +113,16 @@ fn state() -> impl Strategy<Value = RetryState> {
         proptest::option::of(".{0,80}"),
         proptest::option::of(".{0,80}"),
         proptest::option::of(0u64..(1 << 40)),
+        proptest::option::of(0u64..(1 << 62)),
     )
-        .prop_map(|(attempt, f, e, x, r, d)| RetryState {
+        .prop_map(|(attempt, f, e, x, r, d, n)| RetryState {
             attempt,
             first_failed_at: f,
             last_error: e.map(|e| headers::truncate_error(&e)),
             original_exchange: x.filter(|s| s.len() <= 255),
             original_routing_key: r.filter(|s| s.len() <= 255),
             delay: d.map(Duration::from_millis),
+            not_before_ms: n,
         })
 }
 

@@ -12,38 +12,23 @@
 
 mod common;
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use redeliver_amqp::lapin::options::{BasicGetOptions, QueueDeclareOptions};
-use redeliver_amqp::lapin::{BasicProperties, Connection, ConnectionProperties};
-use redeliver_amqp::{DelayConfig, Publisher, TlsConfig};
+use redeliver_amqp::lapin::BasicProperties;
+use redeliver_amqp::{DelayConfig, Publisher};
 use redeliver_testkit::nodes::Nodes;
-use redeliver_testkit::queue_depth;
 use redeliver_testkit::reliability::report;
-
-async fn connect(url: &str) -> Connection {
-    redeliver_amqp::connect(url, ConnectionProperties::default(), &TlsConfig::new())
-        .await
-        .expect("connect to the dedicated node")
-}
-
-/// Waits until `pred` holds, polling; panics with `what` after `within`.
-async fn until(within: Duration, what: &str, mut pred: impl FnMut() -> bool) {
-    let start = Instant::now();
-    while !pred() {
-        assert!(start.elapsed() < within, "{what} (after {within:?})");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-}
+use redeliver_testkit::{connect_guarded, queue_depth, wait_until};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_publish_abandoned_while_blocked_is_never_sent() {
     let nodes = Nodes::start("rddeadline", 1, 5699, false).await;
     let url = nodes.amqp_url(1);
-    let conn = connect(&url).await;
+    let conn = connect_guarded(&url).await;
     // The queue lives on a connection of its own, which publishes nothing, so the alarm does
     // not stop it from counting.
-    let observer = connect(&url).await;
+    let observer = connect_guarded(&url).await;
     let queue = format!("{}q", common::prefix());
     let ch = observer.create_channel().await.expect("channel");
     ch.queue_declare(
@@ -77,7 +62,7 @@ async fn a_publish_abandoned_while_blocked_is_never_sent() {
     )
     .await;
     report(format!("the publish that meets the alarm: {trigger:?}"));
-    until(
+    wait_until(
         Duration::from_secs(30),
         "the broker blocks the connection",
         || conn.status().blocked(),
@@ -98,7 +83,7 @@ async fn a_publish_abandoned_while_blocked_is_never_sent() {
     nodes
         .rabbitmqctl(1, &["set_vm_memory_high_watermark", "0.4"])
         .await;
-    until(
+    wait_until(
         Duration::from_secs(30),
         "the broker unblocks the connection",
         || !conn.status().blocked(),

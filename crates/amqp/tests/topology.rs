@@ -31,7 +31,10 @@ async fn declare_twice_is_a_no_op() {
         t.declare(&conn).await.expect("second declare");
         println!("second declare: {:?}", start.elapsed());
         t.verify(&conn).await.expect("verify after declare");
-        t.delay_config().verify(&conn).await.expect("verify delay");
+        t.configured_delay()
+            .verify(&conn)
+            .await
+            .expect("verify delay");
     })
     .await;
 }
@@ -109,7 +112,7 @@ async fn mismatch_names_the_differing_argument() {
         }
         // Delay levels with another granularity are refused too, by their recorded settings.
         let delay = t
-            .delay_config()
+            .configured_delay()
             .clone()
             .granularity(std::time::Duration::from_millis(20));
         match delay.declare(&conn).await {
@@ -141,7 +144,7 @@ async fn verify_is_passive() {
             }
             other => panic!("expected Missing, got {other:?}"),
         }
-        t.delay_config().declare(&conn).await.unwrap();
+        t.configured_delay().declare(&conn).await.unwrap();
         match t.verify(&conn).await {
             Err(TopologyError::Missing { object }) => {
                 assert_eq!(object, format!("exchange '{}'", t.dlx_name()))
@@ -198,7 +201,10 @@ async fn with_cleanup_topo(
 ) {
     redeliver_testkit::with_cleanup(body, async {
         t.delete(conn).await.expect("delete topology");
-        t.delay_config().delete(conn).await.expect("delete delay");
+        t.configured_delay()
+            .delete(conn)
+            .await
+            .expect("delete delay");
     })
     .await;
 }
