@@ -7,10 +7,13 @@ use std::time::Duration;
 
 use lapin::message::Delivery;
 use lapin::BasicProperties;
+use redeliver_amqp::headers::{DeadLetterInfo, RetryState};
 use redeliver_amqp::PublishError;
 
 /// What settling one delivery needs from the broker.
 pub(crate) trait Broker: Send + Sync {
+    /// What publishes the delivery's copies.
+    type Copies: Publish;
     /// The delivery's channel is still open; settling on a closed one cannot reach the broker.
     fn is_open(&self) -> bool;
     /// Hands the delivery to its channel's batched acks (`success`: its handler succeeded);
@@ -23,6 +26,38 @@ pub(crate) trait Broker: Send + Sync {
     /// A frame of the delivery's own did not go out, so its tag must stay unsettled: closes the
     /// channel, and the broker gives every delivery of it back to the queue.
     fn abandon_channel(&self, why: &'static str) -> impl Future<Output = ()> + Send;
+    /// The confirmed publisher of this delivery's copies (retry, dead letter, forward,
+    /// sanitized): the same for both transports, so no broker re-implements it.
+    fn copies(&self) -> &Self::Copies;
+    /// The queue holds this delivery's retries itself (AMQP 1.0 on a RabbitMQ 4.3+ quorum
+    /// queue): [`hold`](Self::hold) and [`dead_letter`](Self::dead_letter) replace the copies.
+    fn holds_retries(&self) -> bool {
+        false
+    }
+    /// Gives the delivery back to its queue to be delivered again at `until_ms` (Unix ms), with
+    /// `state` as its retry annotations: `modified{delivery-failed}` with `x-opt-delivery-time`.
+    fn hold(
+        &self,
+        _until_ms: u64,
+        _state: &RetryState,
+    ) -> impl Future<Output = Result<bool, lapin::Error>> + Send {
+        async { Ok(false) }
+    }
+    /// Dead-letters the delivery through its queue's DLX. Over AMQP 0-9-1 a
+    /// `basic.reject(requeue = false)` (`info` is only logged); where the queue holds retries,
+    /// `modified{undeliverable-here}` with `info` and `state` as annotations, which the dead
+    /// letter carries as headers.
+    fn dead_letter(
+        &self,
+        _info: &DeadLetterInfo,
+        _state: &RetryState,
+    ) -> impl Future<Output = Result<bool, lapin::Error>> + Send {
+        self.reject(false)
+    }
+}
+
+/// Publishing copies, confirmed: [`crate::link::Copies`] on the broker, a script in the tests.
+pub(crate) trait Publish: Send + Sync {
     /// Publishes a copy for `queue` through the delay levels and waits for the confirm.
     fn publish_delayed(
         &self,

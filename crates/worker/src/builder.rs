@@ -7,14 +7,13 @@ use redeliver_amqp::DelayConfig;
 use redeliver_amqp::TlsConfig;
 use redeliver_amqp::Topology;
 use redeliver_core::{Backoff, Jitter, RetryPolicy};
-use tokio_util::sync::CancellationToken;
 use tracing::warn;
 
 use crate::error::{SettingError, WorkerError};
 use crate::handler::{Erased, ErasedHandler, FromDelivery, Handler};
 use crate::runtime::Worker;
 use crate::settings::{Resolved, Settings};
-use crate::status::{StatusSender, WorkerStatus};
+use crate::status::StatusSender;
 
 type TopologyMap = Box<dyn FnOnce(Topology) -> Topology + Send>;
 
@@ -91,7 +90,8 @@ impl WorkerBuilder {
     ///     ])
     ///     .queue("orders")
     ///     .handler(|_m: Raw, _c: Context| async move { Ok::<(), HandlerError>(()) })
-    ///     .run_until_signal()
+    ///     .build()?
+    ///     .run(redeliver::shutdown_on_signal()?)
     ///     .await
     /// # }
     /// ```
@@ -121,7 +121,8 @@ impl WorkerBuilder {
     ///     .queue("orders")
     ///     .map_topology(|t| t.prefix("eu-").classic().bind("shop", "order.created"))
     ///     .handler(|_m: Raw, _c: Context| async move { Ok::<(), HandlerError>(()) })
-    ///     .run_until_signal()
+    ///     .build()?
+    ///     .run(redeliver::shutdown_on_signal()?)
     ///     .await
     /// # }
     /// ```
@@ -184,11 +185,6 @@ impl WorkerBuilder {
     pub fn tls(mut self, tls: TlsConfig) -> Self {
         self.settings.tls = tls;
         self
-    }
-
-    /// A readiness handle, usable before the worker runs (for a health server started first).
-    pub fn status_handle(&self) -> WorkerStatus {
-        self.status.handle()
     }
 
     /// Validates the configuration and returns the worker.
@@ -258,15 +254,5 @@ impl WorkerBuilder {
             );
         }
         Ok(Worker::new(resolved, self.status))
-    }
-
-    /// [`build`](Self::build), then [`Worker::run`].
-    pub async fn run(self, token: CancellationToken) -> Result<(), WorkerError> {
-        self.build()?.run(token).await
-    }
-
-    /// [`build`](Self::build), then [`Worker::run_until_signal`].
-    pub async fn run_until_signal(self) -> Result<(), WorkerError> {
-        self.build()?.run_until_signal().await
     }
 }

@@ -42,6 +42,34 @@ impl Original<'_> {
         self.with_headers(headers::retry_copy_headers(self.headers(), &state))
     }
 
+    /// The retry state a native retry leaves on the message: as a copy's, plus the earliest
+    /// time it may run (`until_ms`).
+    pub(crate) fn next_state(
+        &self,
+        attempt: u32,
+        delay: Duration,
+        error: &str,
+        until_ms: u64,
+    ) -> RetryState {
+        RetryState {
+            not_before_ms: Some(until_ms),
+            ..next_retry_state(
+                self.state,
+                attempt,
+                delay,
+                error,
+                self.exchange,
+                self.routing_key,
+            )
+        }
+    }
+
+    /// A copy that waits out the rest of an early native retry in the delay levels: the same
+    /// retry state (its earliest time included), the broker's bookkeeping dropped.
+    pub(crate) fn waiting(&self) -> BasicProperties {
+        self.with_headers(headers::retry_copy_headers(self.headers(), self.state))
+    }
+
     /// An annotated dead letter (`DeadLetterMode::Annotate`), its `expiration` kept aside.
     pub(crate) fn dead_letter(&self, info: &DeadLetterInfo) -> BasicProperties {
         let expiration = self.properties.expiration().as_ref().map(|e| e.as_str());
@@ -91,6 +119,8 @@ fn next_retry_state(
             .clone()
             .or_else(|| Some(delivery_routing_key.to_owned())),
         delay: Some(delay),
+        // The delay levels hold this copy: no earliest time to check (a native retry's is gone).
+        not_before_ms: None,
     }
 }
 

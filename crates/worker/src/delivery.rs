@@ -24,6 +24,12 @@ use crate::shared::Shared;
 #[cfg(test)]
 mod tests;
 
+/// How much earlier than its time a native retry may arrive and still run: the clocks of the
+/// worker that scheduled it and of the one that receives it may differ by this much (NTP keeps
+/// hosts within a few milliseconds). A broker that ignores the delivery time hands the message
+/// out again within about a millisecond, so any real delay above this is caught.
+const EARLY_TOLERANCE: std::time::Duration = std::time::Duration::from_millis(50);
+
 /// What a session gives each of its deliveries: its link to the broker, the settling rules,
 /// the metric handles and the queue's name.
 pub(crate) struct Deliveries<L> {
@@ -103,6 +109,7 @@ impl<L: Link> DeliveryTask<L> {
             message_id = %Message::of(delivery, state).message_id,
             attempt = state.attempt,
             redelivered = delivery.redelivered,
+            retry_mode = %self.session.rules.retry_mode,
             delivery_tag = delivery.delivery_tag,
             outcome = tracing::field::Empty,
             duration_ms = tracing::field::Empty,
@@ -147,7 +154,7 @@ impl<L: Link> DeliveryTask<L> {
                 let error = outcome::panicked(&*panic).message();
                 error!(error = %error, "settling the delivery panicked; requeueing it");
                 let requeue = Outcome::Requeue {
-                    reason: crate::metrics_names::REASON_SETTLE_PANICKED,
+                    reason: redeliver_core::DeadLetterReason::SettlePanicked,
                     error,
                 };
                 AssertUnwindSafe(settle.run(requeue))
@@ -180,6 +187,12 @@ impl<L: Link> DeliveryTask<L> {
             // frame guard): no handler sees a message that is not what was sent. A poison pill,
             // never retried; the broker's dead letter (reject mode) keeps the original headers.
             return Outcome::undecodable(&removed);
+        }
+        if let Some(early) = state.early_by(crate::settle::now_ms()) {
+            if early > EARLY_TOLERANCE {
+                // A native retry the broker handed out before its time: never run it early.
+                return Outcome::Early { remaining: early };
+            }
         }
         let config = &self.worker.config;
         if state.attempt == 0 {

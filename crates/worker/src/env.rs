@@ -24,14 +24,16 @@
 //!     .policy(RetryPolicy::exponential(Duration::from_millis(200)).max_retries(5))
 //!     .env()?
 //!     .handler(|_m: Raw, _c: Context| async move { Ok::<(), HandlerError>(()) })
-//!     .run_until_signal()
+//!     .build()?
+//!     .run(redeliver::shutdown_on_signal()?)
 //!     .await?;
 //! # Ok(()) }
 //! ```
 
 use redeliver_amqp::url::{self, BrokerUrl};
-#[cfg(test)]
-use redeliver_core::RetryPolicy;
+use std::time::Duration;
+
+use redeliver_core::{Backoff, RetryPolicy};
 
 use crate::{Worker, WorkerBuilder};
 
@@ -58,7 +60,8 @@ pub const TLS_KEY_FILE: &str = "REDELIVER_TLS_KEY_FILE";
 pub const TLS_SASL_EXTERNAL: &str = "REDELIVER_TLS_SASL_EXTERNAL";
 /// `REDELIVER_MAX_RETRIES`: retries per message before dead-lettering.
 pub const MAX_RETRIES: &str = "REDELIVER_MAX_RETRIES";
-/// `REDELIVER_RETRY_BASE`: first backoff delay.
+/// `REDELIVER_RETRY_BASE`: first backoff delay, the base of the policy's exponential or linear
+/// backoff or the delay of its constant one; an error for a fixed schedule.
 pub const RETRY_BASE: &str = "REDELIVER_RETRY_BASE";
 /// `REDELIVER_RETRY_CAP`: largest backoff delay.
 pub const RETRY_CAP: &str = "REDELIVER_RETRY_CAP";
@@ -138,7 +141,8 @@ impl WorkerBuilder {
     /// WorkerBuilder::from_env()?
     ///     .queue("images")
     ///     .handler(|_m: Raw, _c: Context| async move { Ok::<(), HandlerError>(()) })
-    ///     .run_until_signal()
+    ///     .build()?
+    ///     .run(redeliver::shutdown_on_signal()?)
     ///     .await?;
     /// # Ok(()) }
     /// ```
@@ -288,14 +292,31 @@ impl WorkerBuilder {
         })? {
             s.policy = s.policy.clone().max_retries(n);
         }
-        if let Some(d) = parse(RETRY_BASE, var(RETRY_BASE)?, duration)? {
-            s.policy = s.policy.clone().base(d);
+        let raw = var(RETRY_BASE)?;
+        if let Some(d) = parse(RETRY_BASE, raw.clone(), duration)? {
+            s.policy = with_base(&s.policy, d).map_err(|why| {
+                EnvError::new(RETRY_BASE, raw.as_deref().unwrap_or_default(), why)
+            })?;
         }
         if let Some(d) = parse(RETRY_CAP, var(RETRY_CAP)?, duration)? {
             s.policy = s.policy.clone().cap(d);
         }
         Ok(self)
     }
+}
+
+/// `policy` with `base` as its backoff's first delay. A fixed schedule has no such parameter:
+/// an error rather than a variable silently ignored.
+fn with_base(policy: &RetryPolicy, base: Duration) -> Result<RetryPolicy, &'static str> {
+    let backoff = match policy.configured_backoff().clone() {
+        Backoff::Constant(_) => Backoff::Constant(base),
+        Backoff::Linear { step, cap, .. } => Backoff::Linear { base, step, cap },
+        Backoff::Exponential { factor, cap, .. } => Backoff::Exponential { base, factor, cap },
+        Backoff::Fixed(_) => {
+            return Err("the policy's backoff is a fixed schedule, which has no base delay")
+        }
+    };
+    Ok(policy.clone().backoff(backoff))
 }
 
 #[cfg(test)]
@@ -485,7 +506,7 @@ mod tests {
             .unwrap()
             .concurrency(4)
             .handler(|_m: crate::Raw, _c: crate::Context| async move {
-                Ok::<(), crate::HandlerError>(())
+                Ok::<(), redeliver_core::HandlerError>(())
             })
             .build()
             .unwrap();
@@ -508,6 +529,47 @@ mod tests {
         assert_eq!(s.policy().configured_max_retries(), 9);
         assert_eq!(s.policy().delay_for(0, None), Duration::from_millis(50));
         assert_eq!(s.policy().delay_for(10, None), Duration::from_millis(400));
+    }
+
+    #[test]
+    fn retry_base_sets_the_first_delay_of_each_backoff_that_has_one() {
+        let ms = Duration::from_millis;
+        let amended = |policy: RetryPolicy| {
+            Worker::builder(DEFAULT_AMQP_URL)
+                .policy(policy)
+                .env_from(lookup(&[(RETRY_BASE, "50ms")]))
+                .map(|b| b.settings().policy().configured_backoff().clone())
+        };
+        assert_eq!(
+            amended(RetryPolicy::from_backoff(Backoff::Exponential {
+                base: ms(1),
+                factor: 3.0,
+                cap: ms(900),
+            }))
+            .unwrap(),
+            Backoff::Exponential {
+                base: ms(50),
+                factor: 3.0,
+                cap: ms(900)
+            }
+        );
+        assert_eq!(
+            amended(RetryPolicy::linear(ms(1), ms(7)).cap(ms(90))).unwrap(),
+            Backoff::Linear {
+                base: ms(50),
+                step: ms(7),
+                cap: ms(90)
+            }
+        );
+        assert_eq!(
+            amended(RetryPolicy::constant(ms(1))).unwrap(),
+            Backoff::Constant(ms(50))
+        );
+        // A schedule has no base: refused, not ignored.
+        let err = amended(RetryPolicy::fixed([ms(1), ms(2)])).unwrap_err();
+        assert_eq!(err.var(), RETRY_BASE);
+        assert_eq!(err.value(), "50ms");
+        assert!(err.to_string().contains("fixed schedule"), "{err}");
     }
 
     #[test]

@@ -37,7 +37,8 @@ pub enum WorkerError {
     /// The confirmed publisher could not be set up.
     #[error("publisher: {0}")]
     Publisher(#[from] PublishError),
-    /// SIGTERM / SIGINT handlers could not be installed.
+    /// [`shutdown_on_signal`](crate::shutdown_on_signal) could not install its SIGTERM / SIGINT
+    /// handlers, or was called outside a Tokio runtime.
     #[error("cannot install signal handler: {0}")]
     Signal(#[source] std::io::Error),
     /// A worker task of [`run_all`](crate::run_all) panicked or was cancelled.
@@ -46,6 +47,13 @@ pub enum WorkerError {
     /// Connecting failed: TLS settings, a refused certificate, an unreachable broker.
     #[error(transparent)]
     Connect(#[from] ConnectError),
+    /// [`RetryMode::Native`](crate::RetryMode::Native) was asked where it cannot work: fatal,
+    /// since the queue would otherwise retry in a hot loop or not at all.
+    #[error("retry mode `native` cannot work here: {0}; use `auto` (native where it works, the delay levels elsewhere) or `levels`")]
+    RetryMode(String),
+    /// The AMQP 1.0 consumer (native retry) could not be opened or failed.
+    #[error("AMQP 1.0: {0}")]
+    Amqp1(#[from] redeliver_amqp1::Error),
 }
 
 /// A setting that cannot work: reported by [`WorkerBuilder::build`](crate::WorkerBuilder::build)
@@ -143,6 +151,8 @@ impl WorkerError {
             // fixed on the other side (a renewed certificate, a DNS change) while we retry.
             WorkerError::Connect(ConnectError::Url(_) | ConnectError::Tls(_)) => true,
             WorkerError::Connect(_) => false,
+            WorkerError::RetryMode(_) => true,
+            WorkerError::Amqp1(_) => false,
         }
     }
 }

@@ -8,9 +8,10 @@ use std::time::Duration;
 use lapin::message::Delivery;
 use lapin::types::FieldTable;
 use lapin::BasicProperties;
+use redeliver_amqp::headers::{DeadLetterInfo, RetryState};
 use redeliver_amqp::PublishError;
 
-use crate::broker::{Broker, CopyError, Link};
+use crate::broker::{Broker, CopyError, Link, Publish};
 
 /// What the code under test asked of the broker.
 #[derive(Debug, Clone, PartialEq)]
@@ -28,6 +29,15 @@ pub(crate) enum Call {
     Publish {
         exchange: String,
         routing_key: String,
+    },
+    /// A native retry: `modified` with the delivery time.
+    Hold {
+        until_ms: u64,
+        state: RetryState,
+    },
+    /// A native dead letter: `modified{undeliverable-here}` with the reason.
+    DeadLetter {
+        info: DeadLetterInfo,
     },
 }
 
@@ -47,6 +57,9 @@ pub(crate) struct FakeBroker {
     pub(crate) abandoned: StdMutex<Vec<&'static str>>,
     /// The next publish panics (a bug in settling), once.
     pub(crate) panic_on_publish: AtomicBool,
+    /// The queue holds retries (AMQP 1.0 on RabbitMQ 4.3+): `hold` and `dead_letter` are
+    /// native outcomes.
+    pub(crate) native: bool,
 }
 
 impl FakeBroker {
@@ -61,6 +74,15 @@ impl FakeBroker {
             released: StdMutex::new(0),
             abandoned: StdMutex::default(),
             panic_on_publish: AtomicBool::new(false),
+            native: false,
+        }
+    }
+
+    /// A broker whose queue holds retries (native mode).
+    pub(crate) fn native() -> Self {
+        Self {
+            native: true,
+            ..Self::new()
         }
     }
 
@@ -108,6 +130,8 @@ impl FakeBroker {
 }
 
 impl Broker for &FakeBroker {
+    type Copies = FakeBroker;
+
     fn is_open(&self) -> bool {
         *self.open.lock().unwrap()
     }
@@ -128,6 +152,34 @@ impl Broker for &FakeBroker {
         (self.reject_result)()
     }
 
+    fn holds_retries(&self) -> bool {
+        self.native
+    }
+
+    async fn hold(&self, until_ms: u64, state: &RetryState) -> Result<bool, lapin::Error> {
+        assert!(self.native, "hold on a broker that does not hold retries");
+        self.calls.lock().unwrap().push(Call::Hold {
+            until_ms,
+            state: state.clone(),
+        });
+        Ok(self.is_open())
+    }
+
+    async fn dead_letter(
+        &self,
+        info: &DeadLetterInfo,
+        _state: &RetryState,
+    ) -> Result<bool, lapin::Error> {
+        if !self.native {
+            return self.reject(false).await;
+        }
+        self.calls
+            .lock()
+            .unwrap()
+            .push(Call::DeadLetter { info: info.clone() });
+        Ok(self.is_open())
+    }
+
     fn released(&self) {
         *self.released.lock().unwrap() += 1;
     }
@@ -136,6 +188,12 @@ impl Broker for &FakeBroker {
         self.abandoned.lock().unwrap().push(why);
     }
 
+    fn copies(&self) -> &FakeBroker {
+        self
+    }
+}
+
+impl Publish for FakeBroker {
     async fn publish_delayed(
         &self,
         queue: &str,

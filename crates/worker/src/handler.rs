@@ -48,7 +48,8 @@ use tokio_util::sync::CancellationToken;
 /// Worker::builder("amqp://127.0.0.1:5672/%2f")
 ///     .queue("images")
 ///     .handler(Resizer { http: std::sync::Arc::new("client".into()) })
-///     .run_until_signal()
+///     .build()?
+///     .run(redeliver::shutdown_on_signal()?)
 ///     .await
 /// # }
 /// ```
@@ -387,16 +388,6 @@ impl Context {
     /// Delay applied to reach this retry copy, if known.
     pub fn previous_delay(&self) -> Option<Duration> {
         self.inner.retry.delay
-    }
-
-    /// Builds the error that asks for a retry after exactly `delay` (Celery's `countdown`); it
-    /// still counts against `max_retries`. Return it: `return Err(ctx.retry_after(d, e))`.
-    pub fn retry_after(
-        &self,
-        delay: Duration,
-        error: impl Into<Box<dyn StdError + Send + Sync>>,
-    ) -> HandlerError {
-        HandlerError::retry_after(delay, error)
     }
 
     /// Cancelled when the worker starts draining (shutdown requested). Long handlers can watch

@@ -29,19 +29,21 @@
 //! use redeliver::{CancellationToken, Context, HandlerError, Raw, Worker};
 //!
 //! # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
-//! let builder = Worker::builder("amqp://guest:guest@127.0.0.1:5672/%2f")
+//! let worker = Worker::builder("amqp://guest:guest@127.0.0.1:5672/%2f")
 //!     .queue("images")
-//!     .handler(|_m: Raw, _c: Context| async move { Ok::<(), HandlerError>(()) });
-//! let token = CancellationToken::new();
+//!     .handler(|_m: Raw, _c: Context| async move { Ok::<(), HandlerError>(()) })
+//!     .build()?;
 //! let server = Health::new()
-//!     .worker(builder.status_handle()) // 503 until the worker consumes
+//!     .worker(worker.status_handle()) // 503 until the worker consumes
 //!     .metrics(health::install_prometheus()?)
 //!     .bind("0.0.0.0:8080")
 //!     .await?;
 //! println!("health on http://{}", server.local_addr());
-//! let http = server.spawn(token.clone());
-//! builder.run(token.clone()).await?;
-//! token.cancel();
+//! // A token of its own, cancelled after the drain, so that probes see 503 while it happens.
+//! let http_stop = CancellationToken::new();
+//! let http = server.spawn(http_stop.clone());
+//! worker.run(redeliver::shutdown_on_signal()?).await?;
+//! http_stop.cancel();
 //! http.await??;
 //! # Ok(()) }
 //! ```
@@ -192,7 +194,7 @@ impl Health {
     }
 
     /// Adds a worker whose readiness `/readyz` requires (from
-    /// [`WorkerBuilder::status_handle`](crate::WorkerBuilder::status_handle), so the server can
+    /// [`Worker::status_handle`](crate::Worker::status_handle), so the server can
     /// start, and answer 503, before the worker connects).
     pub fn worker(mut self, status: WorkerStatus) -> Self {
         self.workers.push(status);
@@ -315,34 +317,6 @@ impl HealthServer {
     }
 }
 
-/// Shorthand: binds `addr` and serves readiness for `workers` (and `/metrics` when `metrics` is
-/// given) until `shutdown` is cancelled.
-///
-/// ```no_run
-/// # async fn demo(status: redeliver::WorkerStatus) -> Result<(), redeliver::worker::health::HealthError> {
-/// use redeliver::CancellationToken;
-/// use redeliver::worker::health;
-/// let token = CancellationToken::new();
-/// let metrics = health::install_prometheus()?;
-/// health::serve("0.0.0.0:8080", [status], Some(metrics), token).await
-/// # }
-/// ```
-pub async fn serve<A>(
-    addr: A,
-    workers: impl IntoIterator<Item = WorkerStatus>,
-    metrics: Option<PrometheusHandle>,
-    shutdown: CancellationToken,
-) -> Result<(), HealthError>
-where
-    A: ToSocketAddrs + fmt::Debug,
-{
-    let mut health = Health::new().workers(workers);
-    if let Some(handle) = metrics {
-        health = health.metrics(handle);
-    }
-    health.bind(addr).await?.serve(shutdown).await
-}
-
 fn json(status: StatusCode, body: serde_json::Value) -> Response {
     (
         status,
@@ -378,6 +352,8 @@ async fn readyz(State(state): State<AppState>) -> Response {
                 "queue": w.queue(),
                 "state": s.as_str(),
                 "blocked": w.is_blocked(),
+                "retry_mode": w.retry_mode().map(|m| m.to_string()),
+                "native_retry_ignored": w.native_retry_ignored(),
                 "ready": w.is_ready(),
             })
         })

@@ -28,7 +28,8 @@
 //!             tracing::info!(url = %job.url, attempt = ctx.attempt(), "resized");
 //!             Ok(())
 //!         })
-//!         .run_until_signal()
+//!         .build()?
+//!         .run(redeliver::shutdown_on_signal()?)
 //!         .await
 //! }
 //! ```
@@ -52,7 +53,10 @@
 //!    dead-letters it with x-death reason `rejected`). The final error is logged with the message
 //!    id (event "message dead-lettered").
 //!
-//! The worker never holds a delayed message: waiting happens in the broker's delay queues.
+//! The worker never holds a delayed message: waiting happens in the broker's delay queues, or,
+//! with [`RetryMode::Native`] on RabbitMQ 4.3+, in the quorum queue itself (the worker consumes
+//! over AMQP 1.0, retries with `modified` + `x-opt-delivery-time` and dead-letters through the
+//! queue's DLX with the reason; see [`RetryMode`]).
 //!
 //! # Every end of a delivery
 //!
@@ -114,6 +118,11 @@
 //! frame reaches the broker: acks go out as one `multiple` ack per run of a tenth of the prefetch
 //! or after a 2 ms linger. A worker killed in between has its message redelivered (at least once,
 //! as for any ack the broker has not received).
+//!
+//! [`RetryPolicy`]: redeliver_core::RetryPolicy
+//! [`HandlerError::retry_after`]: redeliver_core::HandlerError::retry_after
+//! [`TimedOut`]: redeliver_core::TimedOut
+//! [`Forward`]: redeliver_core::Forward
 
 // Lints: `[workspace.lints]` in Cargo.toml.
 // docs.rs marks the items of optional features with the feature they need.
@@ -139,6 +148,7 @@ pub mod health;
 mod link;
 mod meters;
 pub mod metrics_names;
+mod native;
 mod outcome;
 mod permits;
 mod publishing;
@@ -148,22 +158,13 @@ mod session;
 mod settings;
 mod settle;
 mod shared;
+mod signal;
 mod status;
 
 pub use builder::WorkerBuilder;
 pub use error::{SettingError, WorkerError};
 pub use handler::{Context, DecodeError, FromDelivery, Handler, Json, Raw, Text};
-pub use runtime::{run_all, run_all_until_signal, Worker};
-pub use settings::{DeadLetterMode, Settings};
+pub use runtime::{run_all, Worker};
+pub use settings::{DeadLetterMode, RetryMode, Settings};
+pub use signal::shutdown_on_signal;
 pub use status::{WorkerState, WorkerStatus};
-
-// What a service needs from the other crates, so it can depend on this one alone; documented
-// where they are defined.
-#[doc(no_inline)]
-pub use redeliver_amqp::{lapin, DelayConfig, QueueType, TlsConfig, Topology};
-#[doc(no_inline)]
-pub use redeliver_core::{
-    Backoff, BoxError, Classifier, ErrorKind, Forward, HandlerError, Jitter, RetryPolicy, TimedOut,
-};
-#[doc(no_inline)]
-pub use tokio_util::sync::CancellationToken;

@@ -15,45 +15,54 @@ use redeliver_amqp::{PublishError, Publisher};
 use tracing::debug;
 
 use crate::acks::AckSender;
-use crate::broker::{Broker, CopyError, Link};
+use crate::broker::{Broker, CopyError, Link, Publish};
 use crate::publishing::{OpenError, Publishing, REOPEN_TIMEOUT};
 
 /// [`Link`] on lapin: one per session.
 pub(crate) struct LapinLink {
-    publishing: Arc<Publishing>,
-    delay: DelayConfig,
-    publisher: tokio::sync::Mutex<Option<Publisher>>,
-    /// Largest body the publisher sends (the builder's, or the broker version's default).
-    max_message_size: Option<usize>,
-    confirm_timeout: Duration,
+    copies: Copies,
     /// Acks of the consumer channel (batched); rejects go through each delivery's acker.
     pub(crate) acks: AckSender,
 }
 
 impl LapinLink {
     /// Opens the publisher on `publishing` (its connection opened if needed).
-    pub(crate) async fn open(
+    pub(crate) async fn open(copies: Copies, acks: AckSender) -> Result<Self, OpenError> {
+        copies.publisher().await?;
+        Ok(Self { copies, acks })
+    }
+}
+
+/// The session's confirmed publisher of copies (retry, dead letter, forward, sanitized), on the
+/// publishing connection: what both transports' links publish with.
+pub(crate) struct Copies {
+    publishing: Arc<Publishing>,
+    delay: DelayConfig,
+    publisher: tokio::sync::Mutex<Option<Publisher>>,
+    /// Largest body the publisher sends (the builder's, or the broker version's default).
+    max_message_size: Option<usize>,
+    confirm_timeout: Duration,
+}
+
+impl Copies {
+    pub(crate) fn new(
         publishing: Arc<Publishing>,
         delay: DelayConfig,
         max_message_size: Option<usize>,
         confirm_timeout: Duration,
-        acks: AckSender,
-    ) -> Result<Self, OpenError> {
-        let link = Self {
+    ) -> Self {
+        Self {
             publishing,
             delay,
             publisher: tokio::sync::Mutex::new(None),
             max_message_size,
             confirm_timeout,
-            acks,
-        };
-        link.publisher().await?;
-        Ok(link)
+        }
     }
 
     /// The confirm-mode publisher, reopened if its channel or connection was closed (a soft
     /// error closes a channel and lapin does not reopen it).
-    async fn publisher(&self) -> Result<Publisher, OpenError> {
+    pub(crate) async fn publisher(&self) -> Result<Publisher, OpenError> {
         let mut current = self.publisher.lock().await;
         if let Some(p) = current
             .as_ref()
@@ -129,6 +138,30 @@ impl LapinLink {
     }
 }
 
+impl Publish for Copies {
+    async fn publish_delayed(
+        &self,
+        queue: &str,
+        delay: Duration,
+        body: &[u8],
+        props: BasicProperties,
+    ) -> Result<(), CopyError> {
+        self.confirmed(|p| async move { p.publish_delayed(queue, delay, body, props).await })
+            .await
+    }
+
+    async fn publish(
+        &self,
+        exchange: &str,
+        routing_key: &str,
+        body: &[u8],
+        props: BasicProperties,
+    ) -> Result<(), CopyError> {
+        self.confirmed(|p| async move { p.publish_copy(exchange, routing_key, body, props).await })
+            .await
+    }
+}
+
 impl Link for LapinLink {
     type Broker<'a> = LapinBroker<'a>;
 
@@ -154,6 +187,8 @@ pub(crate) struct LapinBroker<'a> {
 }
 
 impl Broker for LapinBroker<'_> {
+    type Copies = Copies;
+
     fn is_open(&self) -> bool {
         self.acker.usable()
     }
@@ -178,27 +213,7 @@ impl Broker for LapinBroker<'_> {
         self.link.acks.abandon_channel(why).await;
     }
 
-    async fn publish_delayed(
-        &self,
-        queue: &str,
-        delay: Duration,
-        body: &[u8],
-        props: BasicProperties,
-    ) -> Result<(), CopyError> {
-        self.link
-            .confirmed(|p| async move { p.publish_delayed(queue, delay, body, props).await })
-            .await
-    }
-
-    async fn publish(
-        &self,
-        exchange: &str,
-        routing_key: &str,
-        body: &[u8],
-        props: BasicProperties,
-    ) -> Result<(), CopyError> {
-        self.link
-            .confirmed(|p| async move { p.publish_copy(exchange, routing_key, body, props).await })
-            .await
+    fn copies(&self) -> &Copies {
+        &self.link.copies
     }
 }

@@ -20,6 +20,9 @@
 //! | [`CONNECTION_BLOCKED`] | gauge | `queue` |
 //! | [`RECONNECTS`] | counter | `queue` |
 //! | [`DELAY_UNROUTABLE_MESSAGES`] | gauge | `parking_queue` |
+//!
+//! The values of the `reason` label are the names of [`DeadLetterReason`](redeliver_core::DeadLetterReason)
+//! ([`as_str`](redeliver_core::DeadLetterReason::as_str)); each variant documents its name.
 
 /// Deliveries taken from the queue (every delivery counts, redeliveries too).
 pub const MESSAGES_RECEIVED: &str = "redeliver_messages_received_total";
@@ -28,10 +31,10 @@ pub const MESSAGES_SUCCEEDED: &str = "redeliver_messages_succeeded_total";
 /// Retry copies published (and confirmed) into the delay levels; label `attempt` is the
 /// `x-redeliver-attempt` value written on the copy (1 on the first retry).
 pub const MESSAGES_RETRIED: &str = "redeliver_messages_retried_total";
-/// Deliveries rejected without requeue so that the broker dead-letters them; label `reason` is one
-/// of [`REASON_PERMANENT`], [`REASON_RETRIES_EXHAUSTED`], [`REASON_BUDGET_EXHAUSTED`],
-/// [`REASON_UNDECODABLE`], [`REASON_TOO_LARGE`], [`REASON_REQUEUE_LIMIT`],
-/// [`REASON_FORWARD_UNCONFIGURED`].
+/// Deliveries moved to the DLQ (rejected without requeue, or published there annotated, then
+/// acked); label `reason` is the [`DeadLetterReason::as_str`](redeliver_core::DeadLetterReason::as_str) name of why: one of the reasons
+/// that are not [`is_requeue`](redeliver_core::DeadLetterReason::is_requeue), or a name the handler gave
+/// ([`DeadLetterReason::Named`](redeliver_core::DeadLetterReason::Named)).
 pub const MESSAGES_DEAD_LETTERED: &str = "redeliver_messages_dead_lettered_total";
 /// Deliveries sent on to another queue or exchange by the policy's `Forward` destination (the
 /// copy confirmed, then the original acked); label `destination` is the queue's name, or
@@ -42,12 +45,11 @@ pub const MESSAGES_FORWARDED: &str = "redeliver_messages_forwarded_total";
 /// dead-letters such a message.
 pub const MESSAGES_SANITIZED: &str = "redeliver_messages_sanitized_total";
 /// Deliveries the worker gave back to their queue (`basic.reject(requeue = true)`) because the
-/// broker did not confirm the copy that was to replace them; label `reason` is
-/// [`REASON_RETRY_UNCONFIRMED`], [`REASON_SANITIZE_UNCONFIRMED`],
-/// [`REASON_DEAD_LETTER_UNCONFIRMED`], [`REASON_FORWARD_UNCONFIRMED`] or
-/// [`REASON_SETTLE_PANICKED`]. Bounded per message by
-/// `WorkerBuilder::requeue_limit`, past which the message is dead-lettered
-/// ([`REASON_REQUEUE_LIMIT`]).
+/// broker did not confirm the copy that was to replace them (or settling panicked); label
+/// `reason` is the [`DeadLetterReason::as_str`](redeliver_core::DeadLetterReason::as_str) name of a reason that
+/// [`is_requeue`](redeliver_core::DeadLetterReason::is_requeue) (`retry_unconfirmed`, `settle_panicked`, ...).
+/// Bounded per message by `WorkerBuilder::requeue_limit`, past which the message is
+/// dead-lettered ([`DeadLetterReason::RequeueLimit`](redeliver_core::DeadLetterReason::RequeueLimit)).
 pub const MESSAGES_REQUEUED: &str = "redeliver_messages_requeued_total";
 /// Acks, nacks or rejects that did not reach the broker (the delivery's channel died first). The
 /// broker redelivers those messages, so this counts future duplicates.
@@ -62,6 +64,13 @@ pub const CONNECTION_STATE: &str = "redeliver_connection_state";
 /// 1 while the broker blocks the worker's publishing connection (a memory or disk alarm), 0
 /// otherwise.
 pub const CONNECTION_BLOCKED: &str = "redeliver_connection_blocked";
+/// 1 once the broker handed a native retry out before its delivery time: retries go through the
+/// delay levels from then on ([`WorkerStatus::native_retry_ignored`](crate::WorkerStatus::native_retry_ignored)).
+pub const NATIVE_RETRY_IGNORED: &str = "redeliver_native_retry_ignored";
+/// 1 for the retry mode the current session uses, by label `mode` (`levels`, `native`).
+pub const RETRY_MODE: &str = "redeliver_retry_mode";
+/// Label: a retry mode.
+pub const LABEL_MODE: &str = "mode";
 /// Connections re-established after a loss (counted when the worker consumes again, not when it
 /// loses the connection).
 pub const RECONNECTS: &str = "redeliver_reconnects_total";
@@ -82,39 +91,10 @@ pub const LABEL_ATTEMPT: &str = "attempt";
 pub const ATTEMPT_TOP_BUCKET: &str = "10+";
 /// Label key: a [`WorkerState`](crate::WorkerState) name, on [`CONNECTION_STATE`].
 pub const LABEL_STATE: &str = "state";
-/// Label key: why a message was dead-lettered.
+/// Label key: why a message was dead-lettered or requeued, a [`DeadLetterReason::as_str`](redeliver_core::DeadLetterReason::as_str) name.
 pub const LABEL_REASON: &str = "reason";
 /// Label key: where a message was forwarded, on [`MESSAGES_FORWARDED`].
 pub const LABEL_DESTINATION: &str = "destination";
-
-/// Dead-letter reason: the handler said the error is permanent.
-pub const REASON_PERMANENT: &str = "permanent";
-/// Dead-letter reason: `max_retries` reached.
-pub const REASON_RETRIES_EXHAUSTED: &str = "retries_exhausted";
-/// Dead-letter reason: the retry budget refused another retry.
-pub const REASON_BUDGET_EXHAUSTED: &str = "budget_exhausted";
-/// Dead-letter reason: the error is of the forward kind and the policy has no `Forward`
-/// destination.
-pub const REASON_FORWARD_UNCONFIGURED: &str = "forward_unconfigured";
-/// Dead-letter reason: the body could not be decoded (poison pill, never retried).
-pub const REASON_UNDECODABLE: &str = "undecodable";
-/// Dead-letter reason: its retry copy would exceed the broker's `max_message_size`.
-pub const REASON_TOO_LARGE: &str = "too_large";
-/// Dead-letter reason: the worker requeued it `requeue_limit` times, each time because the broker
-/// did not confirm its replacement copy.
-pub const REASON_REQUEUE_LIMIT: &str = "requeue_limit";
-/// Requeue reason: the retry copy was not confirmed by the broker.
-pub const REASON_RETRY_UNCONFIRMED: &str = "retry_unconfirmed";
-/// Requeue reason: the copy without a malformed `x-death` was not confirmed by the broker.
-pub const REASON_SANITIZE_UNCONFIRMED: &str = "sanitize_unconfirmed";
-/// Requeue reason: the forwarded copy was not confirmed (or was returned: the destination is
-/// gone or does not route it).
-pub const REASON_FORWARD_UNCONFIRMED: &str = "forward_unconfirmed";
-/// Requeue reason: the annotated dead letter (`DeadLetterMode::Annotate`) was not confirmed.
-pub const REASON_DEAD_LETTER_UNCONFIRMED: &str = "dead_letter_unconfirmed";
-/// Requeue reason: settling the delivery panicked (a bug: please report it); the message goes
-/// back to its queue instead of staying unsettled.
-pub const REASON_SETTLE_PANICKED: &str = "settle_panicked";
 
 /// The [`LABEL_ATTEMPT`] value of an attempt number.
 pub(crate) fn attempt_label(attempt: u32) -> &'static str {

@@ -9,11 +9,9 @@ use std::time::Duration;
 use lapin::types::FieldTable;
 use redeliver_amqp::headers::RetryState;
 use redeliver_core::{
-    BudgetExhausted, Decision, ErrorKind, Forward, HandlerError, Jitter, RetryBudget, RetryPolicy,
-    TimedOut,
+    BudgetExhausted, DeadLetterReason, Decision, ErrorKind, Forward, HandlerError, Jitter,
+    RetryBudget, RetryPolicy, TimedOut,
 };
-
-use crate::metrics_names;
 
 /// What to do with a delivery, carried out by [`crate::settle`].
 #[derive(Clone, Debug, PartialEq)]
@@ -33,7 +31,10 @@ pub(crate) enum Outcome {
         error: String,
     },
     /// Move it to the DLQ the configured way.
-    DeadLetter { reason: &'static str, error: String },
+    DeadLetter {
+        reason: DeadLetterReason,
+        error: String,
+    },
     /// Publish a copy to another queue or exchange, wait for the confirm, then ack.
     Forward {
         to: Forward,
@@ -49,10 +50,16 @@ pub(crate) enum Outcome {
     Sanitize(FieldTable),
     /// Give it back to its queue after a pause, at most `requeue_limit` times, then dead-letter
     /// it: what is left when settling itself failed unexpectedly (a panic).
-    Requeue { reason: &'static str, error: String },
+    Requeue {
+        reason: DeadLetterReason,
+        error: String,
+    },
     /// The shutdown grace period ran out: leave it unsettled, the broker requeues it when the
     /// channel closes.
     Abandon,
+    /// A native retry delivered `remaining` before its time: the broker ignores the delivery
+    /// time. The handler does not run; the message waits out the rest in the delay levels.
+    Early { remaining: Duration },
 }
 
 impl Outcome {
@@ -77,7 +84,7 @@ impl Outcome {
                 error: message,
             },
             Decision::DeadLetter(reason) => Outcome::DeadLetter {
-                reason: reason.as_str(),
+                reason,
                 error: message,
             },
             Decision::Forward(to) => Outcome::Forward {
@@ -92,7 +99,7 @@ impl Outcome {
     /// A body that cannot be decoded: a poison pill, never retried.
     pub(crate) fn undecodable(error: &dyn std::error::Error) -> Self {
         Outcome::DeadLetter {
-            reason: metrics_names::REASON_UNDECODABLE,
+            reason: DeadLetterReason::Undecodable,
             error: redeliver_core::error_chain(error),
         }
     }
@@ -224,7 +231,7 @@ mod tests {
         assert_eq!(
             Outcome::decide(&p, &state, fail(HandlerError::transient("down"))),
             Outcome::DeadLetter {
-                reason: metrics_names::REASON_RETRIES_EXHAUSTED,
+                reason: DeadLetterReason::RetriesExhausted { retries: 2 },
                 error: e.message()
             }
         );
@@ -239,7 +246,7 @@ mod tests {
         assert!(matches!(
             Outcome::decide(&p, &state, fail(HandlerError::permanent("bad"))),
             Outcome::DeadLetter {
-                reason: metrics_names::REASON_PERMANENT,
+                reason: DeadLetterReason::Permanent,
                 ..
             }
         ));

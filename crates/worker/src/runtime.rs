@@ -1,4 +1,4 @@
-//! A built worker at run time: the reconnect loop around sessions, signals, [`run_all`].
+//! A built worker at run time: the reconnect loop around sessions, [`run_all`].
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -41,7 +41,8 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(30);
 ///             tracing::info!(url = %job.url, attempt = ctx.attempt(), "processing");
 ///             Ok::<(), HandlerError>(())
 ///         })
-///         .run_until_signal()
+///         .build()?
+///         .run(redeliver::shutdown_on_signal()?)
 ///         .await
 /// }
 /// ```
@@ -77,6 +78,7 @@ impl Worker {
             Arc::clone(&self.config),
             self.status.blocked_flag(),
             Pool::default(),
+            Arc::clone(&self.status.retries),
         ))
     }
 
@@ -85,7 +87,8 @@ impl Worker {
         &self.config.settings
     }
 
-    /// A readiness handle.
+    /// A readiness handle, usable before the worker runs: give it to a health server started
+    /// first, which then answers 503 until the worker consumes.
     pub fn status_handle(&self) -> WorkerStatus {
         self.status.handle()
     }
@@ -98,16 +101,6 @@ impl Worker {
     /// The topology the worker declares or verifies.
     pub fn topology(&self) -> &Topology {
         &self.config.topology
-    }
-
-    /// Runs until SIGTERM or SIGINT (Ctrl-C), then shuts down gracefully; `Ok(())` on a clean
-    /// stop, so `main` exits 0.
-    pub async fn run_until_signal(self) -> Result<(), WorkerError> {
-        let token = CancellationToken::new();
-        let signals = spawn_signal_canceller(token.clone())?;
-        let result = self.run(token).await;
-        signals.abort();
-        result
     }
 
     /// Runs until `token` is cancelled, then shuts down gracefully: the consumer is cancelled,
@@ -125,6 +118,7 @@ impl Worker {
             Arc::clone(&self.config),
             self.status.blocked_flag(),
             publishing,
+            Arc::clone(&self.status.retries),
         ));
         let result = reconnect_loop(&shared, &self.status, &token).await;
         if result.is_err() {
@@ -240,42 +234,6 @@ async fn reconnect_loop(
     Ok(())
 }
 
-/// Cancels `token` on SIGINT or (on Unix) SIGTERM. Handlers are installed before returning, so
-/// a signal arriving right after cannot be missed.
-fn spawn_signal_canceller(
-    token: CancellationToken,
-) -> Result<tokio::task::JoinHandle<()>, WorkerError> {
-    #[cfg(unix)]
-    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
-        .map_err(WorkerError::Signal)?;
-    Ok(tokio::spawn(async move {
-        #[cfg(unix)]
-        let name = tokio::select! {
-            r = tokio::signal::ctrl_c() => match r {
-                Ok(()) => "SIGINT",
-                Err(e) => {
-                    // Without Ctrl-C support SIGTERM still works; keep waiting for it.
-                    warn!(error = %e, "cannot listen for Ctrl-C");
-                    term.recv().await;
-                    "SIGTERM"
-                }
-            },
-            _ = term.recv() => "SIGTERM",
-        };
-        #[cfg(not(unix))]
-        let name = match tokio::signal::ctrl_c().await {
-            Ok(()) => "Ctrl-C",
-            Err(e) => {
-                warn!(error = %e, "cannot listen for Ctrl-C");
-                std::future::pending::<()>().await;
-                "none"
-            }
-        };
-        info!(signal = name, "shutdown requested");
-        token.cancel();
-    }))
-}
-
 /// Runs several workers (several queues, one process) until `token` is cancelled. If one stops
 /// with an error the others are shut down gracefully and the first error is returned.
 ///
@@ -320,15 +278,4 @@ pub async fn run_all(
         }
     }
     first_error.map_or(Ok(()), Err)
-}
-
-/// [`run_all`] until SIGTERM or SIGINT.
-pub async fn run_all_until_signal(
-    workers: impl IntoIterator<Item = Worker>,
-) -> Result<(), WorkerError> {
-    let token = CancellationToken::new();
-    let signals = spawn_signal_canceller(token.clone())?;
-    let result = run_all(workers, token).await;
-    signals.abort();
-    result
 }

@@ -5,19 +5,24 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures::StreamExt;
+use lapin::message::Delivery;
 use lapin::options::{BasicCancelOptions, BasicConsumeOptions, BasicQosOptions};
 use lapin::types::FieldTable;
 use lapin::{Channel, Connection, ConnectionProperties, Consumer, Event};
 use redeliver_amqp::url::BrokerUrl;
 use redeliver_amqp::ServerInfo;
+use redeliver_amqp1::Incoming;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
 use crate::acks::AckSender;
 use crate::delivery::{self, Deliveries};
 use crate::error::WorkerError;
-use crate::link::LapinLink;
+use crate::link::{Copies, LapinLink};
 use crate::meters::Meters;
+use crate::metrics_names as m;
+use crate::native::NativeLink;
+use crate::settings::RetryMode;
 use crate::settle::Rules;
 use crate::shared::Shared;
 use crate::status::BlockedFlag;
@@ -28,6 +33,10 @@ use checks::{verify_forward, watch_topology};
 
 /// Bound on each broker call made while shutting down, so a dead broker cannot stall the exit.
 const CLOSE_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// How long a worker consumes over AMQP 0-9-1 after the broker failed delivering a message
+/// over AMQP 1.0: long enough to take that message (and its neighbours) over 0-9-1.
+const NATIVE_PAUSE: Duration = Duration::from_secs(60);
 
 /// Deliveries taken in a row, at most, before a stop requested meanwhile is seen.
 const STOP_CHECK_EVERY: u32 = 16;
@@ -46,12 +55,24 @@ pub(crate) enum SessionEnd {
     Lost(String),
 }
 
+/// How the session consumes: AMQP 0-9-1 on a channel of its connection, or AMQP 1.0 on a
+/// connection of its own where the queue holds retries.
+enum Consuming {
+    Lapin {
+        deliveries: Arc<Deliveries<LapinLink>>,
+        channel: Channel,
+        consumer: Consumer,
+    },
+    Native {
+        deliveries: Arc<Deliveries<NativeLink>>,
+        consumer: redeliver_amqp1::Consumer,
+    },
+}
+
 /// A connected, consuming session.
 pub(crate) struct Session {
     connection: Arc<Connection>,
-    deliveries: Arc<Deliveries<LapinLink>>,
-    channel: Channel,
-    consumer: Consumer,
+    consuming: Consuming,
     events: futures::stream::BoxStream<'static, Event>,
     unroutable_poll: tokio::task::JoinHandle<()>,
     /// Forwards the publishing connection's blocked state to the worker's status.
@@ -107,15 +128,28 @@ impl Session {
     ) -> Result<Session, WorkerError> {
         let config = &worker.config;
         let settings = &config.settings;
-        if settings.verify_only {
-            config.topology.verify(connection).await?;
+        let native = choose_retry_mode(worker, url, server.as_ref())?;
+        let topology = if native {
+            // A crash loop (a delivery failing without our delivery time) backs off too, within
+            // the policy's bounds.
+            let backoff = settings.policy.configured_backoff();
+            let min = backoff.base().max(Duration::from_millis(1));
+            config
+                .topology
+                .clone()
+                .delayed_retry(min, backoff.cap().max(min))
         } else {
-            config.topology.declare(connection).await?;
+            config.topology.clone()
+        };
+        if settings.verify_only {
+            topology.verify(connection).await?;
+        } else {
+            topology.declare(connection).await?;
         }
         if let Some(to) = settings.policy.configured_forward() {
             verify_forward(connection, to).await?;
         }
-        let delay = config.topology.delay_config().clone();
+        let delay = config.topology.configured_delay().clone();
         let version = server.as_ref().and_then(ServerInfo::version);
         let max_message_size = settings
             .max_message_size
@@ -133,15 +167,14 @@ impl Session {
             // Unknown version: assume 3.x, whose dead-lettering crashes on such a header.
             dead_letters_malformed_x_death: version
                 .is_some_and(|v| !v.dead_lettering_trusts_client_x_death()),
+            retries: Arc::clone(&worker.retries),
+            retry_mode: if native {
+                RetryMode::Native
+            } else {
+                RetryMode::Levels
+            },
         };
-        let channel = connection.create_channel().await?;
-        // Per consumer, not global: global QoS is deprecated and refused from RabbitMQ 4.3. It is
-        // applied on every channel we open, since nothing replays it for us.
-        channel
-            .basic_qos(config.prefetch(), BasicQosOptions { global: false })
-            .await?;
         let meters = Meters::new(&config.queue);
-        let acks = AckSender::spawn(channel.clone(), meters.clone(), config.prefetch());
         let publishing = worker
             .publishing
             .get(url, &settings.tls, &rules.connection_name);
@@ -149,22 +182,107 @@ impl Session {
             publishing.blocked(),
             worker.blocked.clone(),
         ));
-        let link = match LapinLink::open(
+        let copies = Copies::new(
             publishing,
             delay.clone(),
             max_message_size,
             settings.confirm_timeout,
-            acks,
-        )
-        .await
-        {
-            Ok(link) => link,
-            Err(e) => {
-                blocked.abort();
-                return Err(e.into());
+        );
+        let mode = rules.retry_mode;
+        worker.retries.set_mode(mode);
+        for each in [RetryMode::Levels, RetryMode::Native] {
+            metrics::gauge!(m::RETRY_MODE, m::LABEL_QUEUE => Arc::clone(&config.queue), m::LABEL_MODE => each.to_string())
+                .set(if each == mode { 1.0 } else { 0.0 });
+        }
+        let consuming = if native {
+            match Self::consume_native(worker, url, copies, rules, meters).await {
+                Ok(c) => c,
+                Err(e) => {
+                    blocked.abort();
+                    return Err(e);
+                }
+            }
+        } else {
+            match Self::consume_lapin(worker, connection, copies, rules, meters).await {
+                Ok(c) => c,
+                Err(e) => {
+                    blocked.abort();
+                    return Err(e);
+                }
             }
         };
         let events = connection.events_listener().boxed();
+        let unroutable_poll = tokio::spawn(watch_topology(
+            Arc::clone(connection),
+            topology,
+            settings.verify_only,
+            settings.topology_check_interval,
+        ));
+        info!(queue = %config.queue, retry_mode = %mode, "retries wait {}", if native { "in the queue itself (native, AMQP 1.0)" } else { "in the delay levels" });
+        Ok(Session {
+            connection: Arc::clone(connection),
+            consuming,
+            events,
+            unroutable_poll,
+            blocked,
+        })
+    }
+
+    /// Consumes over AMQP 1.0 on a connection of its own; the queue holds retries.
+    async fn consume_native(
+        worker: &Arc<Shared>,
+        url: &BrokerUrl,
+        copies: Copies,
+        rules: Rules,
+        meters: Meters,
+    ) -> Result<Consuming, WorkerError> {
+        let config = &worker.config;
+        let uri = url.uri();
+        // The URL's port and TLS settings: RabbitMQ serves AMQP 1.0 on its AMQPS port too.
+        let tls = url.is_tls().then(|| {
+            redeliver_amqp1::Tls::new(uri.authority.host.clone(), config.settings.tls.clone())
+        });
+        let endpoint = redeliver_amqp1::Endpoint {
+            host: uri.authority.host.clone(),
+            port: uri.authority.port,
+            username: uri.authority.userinfo.username.clone(),
+            password: uri.authority.userinfo.password.clone(),
+            vhost: uri.vhost.clone(),
+            container_id: rules.connection_name.clone(),
+            tls,
+        };
+        copies.publisher().await?;
+        let consumer =
+            redeliver_amqp1::Consumer::open(&endpoint, &config.queue, u32::from(config.prefetch()))
+                .await?;
+        let link = NativeLink {
+            copies,
+            settler: consumer.settler(),
+            succeeded: meters.succeeded.clone(),
+        };
+        Ok(Consuming::Native {
+            deliveries: Arc::new(Deliveries::new(link, rules, meters)),
+            consumer,
+        })
+    }
+
+    /// Consumes over AMQP 0-9-1 on a channel of `connection`.
+    async fn consume_lapin(
+        worker: &Arc<Shared>,
+        connection: &Arc<Connection>,
+        copies: Copies,
+        rules: Rules,
+        meters: Meters,
+    ) -> Result<Consuming, WorkerError> {
+        let config = &worker.config;
+        let channel = connection.create_channel().await?;
+        // Per consumer, not global: global QoS is deprecated and refused from RabbitMQ 4.3. It is
+        // applied on every channel we open, since nothing replays it for us.
+        channel
+            .basic_qos(config.prefetch(), BasicQosOptions { global: false })
+            .await?;
+        let acks = AckSender::spawn(channel.clone(), meters.clone(), config.prefetch());
+        let link = LapinLink::open(copies, acks).await?;
         let consumer = channel
             .basic_consume(
                 (*config.queue).into(),
@@ -173,20 +291,10 @@ impl Session {
                 FieldTable::default(),
             )
             .await?;
-        let unroutable_poll = tokio::spawn(watch_topology(
-            Arc::clone(connection),
-            config.topology.clone(),
-            settings.verify_only,
-            settings.topology_check_interval,
-        ));
-        Ok(Session {
-            connection: Arc::clone(connection),
+        Ok(Consuming::Lapin {
             deliveries: Arc::new(Deliveries::new(link, rules, meters)),
             channel,
             consumer,
-            events,
-            unroutable_poll,
-            blocked,
         })
     }
 
@@ -228,11 +336,10 @@ impl Session {
             // that ends the session waits behind a backlog.
             tokio::select! {
                 biased;
-                item = self.consumer.next() => match item {
-                    Some(Ok(d)) => delivery::start(worker, &self.deliveries, d, permit),
-                    Some(Err(e)) => break format!("consumer error: {e}"),
-                    None => break if self.connection.status().connected() {
-                        "consumer cancelled by the broker (queue deleted?) or channel closed".to_owned()
+                item = self.consuming.next() => match item {
+                    Ok(d) => self.consuming.start(worker, d, permit),
+                    Err(why) => break if self.connection.status().connected() {
+                        why
                     } else {
                         "connection closed".to_owned()
                     },
@@ -244,7 +351,7 @@ impl Session {
                     // connection or consumer channel ends the session.
                     Some(Event::Error(e))
                         if self.connection.status().connected()
-                            && self.channel.status().connected() =>
+                            && self.consuming.channel_connected() =>
                     {
                         warn!(queue = %worker.config.queue, error = %e, "the broker closed a channel of this connection (the publisher reopens its own)");
                         continue;
@@ -258,6 +365,16 @@ impl Session {
                 },
             }
         };
+        if let Consuming::Native { consumer, .. } = &self.consuming {
+            if consumer.broker_failed() {
+                // RabbitMQ cannot convert some message for AMQP 1.0 and ends the connection at
+                // each delivery of it: that message would stop the queue and, through the
+                // delivery limit, take the messages delivered with it to the DLQ. AMQP 0-9-1
+                // reads it as it was published.
+                warn!(queue = %worker.config.queue, pause = ?NATIVE_PAUSE, "the broker failed delivering a message over AMQP 1.0 (it cannot convert it, a decimal header for one); consuming over AMQP 0-9-1 for a while, retries through the delay levels");
+                worker.retries.pause_native(NATIVE_PAUSE);
+            }
+        }
         self.teardown().await;
         SessionEnd::Lost(reason)
     }
@@ -267,6 +384,9 @@ impl Session {
     async fn teardown(self) {
         self.unroutable_poll.abort();
         self.blocked.abort();
+        if let Consuming::Native { consumer, .. } = self.consuming {
+            consumer.close().await;
+        }
         close_connection(&self.connection, "connection lost, reconnecting").await;
     }
 
@@ -277,40 +397,152 @@ impl Session {
     pub(crate) async fn drain(self, worker: &Arc<Shared>) {
         let queue = &worker.config.queue;
         info!(queue = %queue, "draining: cancelling the consumer");
-        match tokio::time::timeout(
-            CLOSE_TIMEOUT,
-            self.channel
-                .basic_cancel(self.consumer.tag(), BasicCancelOptions::default()),
-        )
-        .await
-        {
-            Ok(Ok(())) => {}
-            Ok(Err(e)) => warn!(queue = %queue, error = %e, "basic.cancel failed"),
-            Err(_) => warn!(queue = %queue, "basic.cancel timed out"),
-        }
-        drop(self.consumer);
-        worker.drain_tasks().await;
-        // Before the channel closes: acks still batched would otherwise be lost with it, and
-        // those messages delivered twice.
-        if tokio::time::timeout(CLOSE_TIMEOUT, self.deliveries.link.acks.flush())
-            .await
-            .is_err()
-        {
-            warn!(queue = %queue, "flushing the last acks timed out");
+        match self.consuming {
+            Consuming::Lapin {
+                deliveries,
+                channel,
+                consumer,
+            } => {
+                match tokio::time::timeout(
+                    CLOSE_TIMEOUT,
+                    channel.basic_cancel(consumer.tag(), BasicCancelOptions::default()),
+                )
+                .await
+                {
+                    Ok(Ok(())) => {}
+                    Ok(Err(e)) => warn!(queue = %queue, error = %e, "basic.cancel failed"),
+                    Err(_) => warn!(queue = %queue, "basic.cancel timed out"),
+                }
+                drop(consumer);
+                worker.drain_tasks().await;
+                // Before the channel closes: acks still batched would otherwise be lost with
+                // it, and those messages delivered twice.
+                if tokio::time::timeout(CLOSE_TIMEOUT, deliveries.link.acks.flush())
+                    .await
+                    .is_err()
+                {
+                    warn!(queue = %queue, "flushing the last acks timed out");
+                }
+                if channel.status().connected() {
+                    if let Ok(Err(e)) = tokio::time::timeout(
+                        CLOSE_TIMEOUT,
+                        channel.close(200, "worker stopped".into()),
+                    )
+                    .await
+                    {
+                        debug!(error = %e, "closing the consumer channel");
+                    }
+                }
+            }
+            Consuming::Native { mut consumer, .. } => {
+                // Deliveries received but not started stay unsettled: the broker gives them
+                // back when the link closes, after the in-flight ones are settled.
+                consumer.stop_receiving();
+                worker.drain_tasks().await;
+                consumer.close().await;
+            }
         }
         self.unroutable_poll.abort();
         self.blocked.abort();
-        if self.channel.status().connected() {
-            if let Ok(Err(e)) = tokio::time::timeout(
-                CLOSE_TIMEOUT,
-                self.channel.close(200, "worker stopped".into()),
-            )
-            .await
-            {
-                debug!(error = %e, "closing the consumer channel");
+        close_connection(&self.connection, "worker stopped").await;
+    }
+}
+
+impl Consuming {
+    /// The next delivery, or why consuming ended.
+    async fn next(&mut self) -> Result<Delivery, String> {
+        match self {
+            Consuming::Lapin { consumer, .. } => match consumer.next().await {
+                Some(Ok(d)) => Ok(d),
+                Some(Err(e)) => Err(format!("consumer error: {e}")),
+                None => Err(
+                    "consumer cancelled by the broker (queue deleted?) or channel closed"
+                        .to_owned(),
+                ),
+            },
+            Consuming::Native { consumer, .. } => match consumer.next().await {
+                Some(Incoming::Message(d)) => Ok(d),
+                Some(Incoming::Undecodable { tag, error }) => Ok(undecodable(tag, &error)),
+                None => Err(consumer.ended()),
+            },
+        }
+    }
+
+    fn start(&self, worker: &Arc<Shared>, delivery: Delivery, permit: crate::permits::Permit) {
+        match self {
+            Consuming::Lapin { deliveries, .. } => {
+                delivery::start(worker, deliveries, delivery, permit)
+            }
+            Consuming::Native { deliveries, .. } => {
+                delivery::start(worker, deliveries, delivery, permit)
             }
         }
-        close_connection(&self.connection, "worker stopped").await;
+    }
+
+    /// The consumer channel is open (an AMQP 1.0 consumer has none on the connection).
+    fn channel_connected(&self) -> bool {
+        match self {
+            Consuming::Lapin { channel, .. } => channel.status().connected(),
+            Consuming::Native { .. } => true,
+        }
+    }
+}
+
+/// A delivery that did not decode over AMQP 1.0, as the frame guard marks one over 0-9-1: the
+/// worker dead-letters it without calling the handler, and the broker's dead letter keeps the
+/// original.
+fn undecodable(tag: u64, error: &str) -> Delivery {
+    let mut headers = FieldTable::default();
+    headers.insert(
+        redeliver_amqp::HEADERS_REMOVED.into(),
+        lapin::types::AMQPValue::LongString(error.as_bytes().into()),
+    );
+    let mut d = Delivery::mock(tag, "".into(), "".into(), false, Vec::new());
+    d.properties = lapin::BasicProperties::default().with_headers(headers);
+    d
+}
+
+/// Whether this session's retries wait in the queue itself: [`RetryMode::Levels`] never,
+/// [`RetryMode::Auto`] where the broker and the queue allow it, [`RetryMode::Native`] there or
+/// an error saying why not.
+fn choose_retry_mode(
+    worker: &Shared,
+    url: &BrokerUrl,
+    server: Option<&ServerInfo>,
+) -> Result<bool, WorkerError> {
+    let config = &worker.config;
+    let asked = config.settings.retry_mode;
+    if asked == RetryMode::Levels {
+        return Ok(false);
+    }
+    let version = server.and_then(ServerInfo::version);
+    let limit = config.topology.configured_delivery_limit();
+    let max_retries = config.settings.policy.configured_max_retries();
+    let why_not = if !version.is_some_and(|v| v.holds_native_retries()) {
+        Some(format!(
+            "the broker is {}: a queue holds retries from RabbitMQ 4.3 on",
+            server.map_or_else(|| "of an unknown version".to_owned(), |s| s.to_string())
+        ))
+    } else if config.topology.configured_queue_type() != redeliver_amqp::QueueType::Quorum {
+        Some("the queue is a classic queue: only quorum queues hold retries".to_owned())
+    } else if url.is_tls() && !redeliver_amqp1::tls::SUPPORTED {
+        Some("the AMQP 1.0 consumer is built without TLS (the `tls` feature)".to_owned())
+    } else if limit.is_some_and(|l| max_retries >= l) {
+        Some(format!("each native retry counts toward the queue's delivery limit ({}), which must be above max_retries ({max_retries}): raise it with Topology::delivery_limit", limit.unwrap_or_default()))
+    } else {
+        None
+    };
+    match (why_not, asked) {
+        (None, _) if worker.retries.native_paused() => {
+            info!(queue = %config.queue, "native retry paused after a broker failure over AMQP 1.0: consuming over AMQP 0-9-1 for now");
+            Ok(false)
+        }
+        (None, _) => Ok(true),
+        (Some(why), RetryMode::Native) => Err(WorkerError::RetryMode(why)),
+        (Some(why), _) => {
+            info!(queue = %config.queue, reason = %why, "retry mode auto: retries go through the delay levels");
+            Ok(false)
+        }
     }
 }
 

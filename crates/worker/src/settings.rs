@@ -45,6 +45,51 @@ pub enum DeadLetterMode {
     Annotate,
 }
 
+/// Where a retry waits out its delay.
+///
+/// | | `Levels` (default) | `Native` | `Auto` |
+/// |---|---|---|---|
+/// | how | a confirmed copy through the shared TTL delay levels, then an ack | AMQP 1.0 consumer; the quorum queue holds the message until its time (`modified` with `x-opt-delivery-time`) | `Native` where it works, `Levels` elsewhere |
+/// | needs | any RabbitMQ | RabbitMQ 4.3+, a quorum queue, `amqp://` | |
+/// | dead letters | as [`DeadLetterMode`] says | through the queue's DLX with `x-opt-redeliver-dead-letter-reason`, `-error`, `-attempts`, `-at`, `-by` whatever the mode | |
+///
+/// An explicit `Native` that cannot work (an older broker, a classic queue) stops the worker at
+/// start with [`WorkerError::RetryMode`](crate::WorkerError::RetryMode). A retried message is
+/// handled by a worker of either mode, so switching modes loses nothing.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum RetryMode {
+    /// The delay levels everywhere.
+    #[default]
+    Levels,
+    /// The queue holds retries: RabbitMQ 4.3+ quorum queues only.
+    Native,
+    /// Native where the broker and the queue allow it, the delay levels elsewhere.
+    Auto,
+}
+
+impl std::str::FromStr for RetryMode {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "levels" => Ok(Self::Levels),
+            "native" => Ok(Self::Native),
+            "auto" => Ok(Self::Auto),
+            _ => Err("expected `levels`, `native` or `auto`".into()),
+        }
+    }
+}
+
+impl std::fmt::Display for RetryMode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Self::Levels => "levels",
+            Self::Native => "native",
+            Self::Auto => "auto",
+        })
+    }
+}
+
 impl std::str::FromStr for DeadLetterMode {
     type Err = String;
 
@@ -102,7 +147,7 @@ macro_rules! settings {
         /// [`WorkerBuilder`](crate::WorkerBuilder#defaults).
         ///
         /// ```
-        /// use redeliver_worker::Worker;
+        /// use redeliver::Worker;
         /// let builder = Worker::builder("amqp://127.0.0.1:5672/%2f").queue("images").prefetch(32);
         /// assert_eq!(builder.settings().queue(), Some("images"));
         /// assert_eq!(builder.settings().prefetch(), Some(32));
@@ -260,7 +305,6 @@ settings! {
         "| `.reconnect_backoff(backoff, jitter)` | reconnect pacing | 100 ms × 2 up to 30 s, full jitter | |\n",
         "| `.tls(TlsConfig)` | TLS for `amqps://` URLs: CA bundle, client certificate, SASL EXTERNAL | the system's root certificates, password login | `REDELIVER_TLS_*` |\n",
         "| `.handler(f)` / `.handler(h)` | the handler | required | |\n",
-        "| `.status_handle()` | readiness handle for your own probes | | |\n",
     ];
     hand_written_env_rows_first: [
         "| `AMQP_URL` | `Worker::builder(url)`, `.failover_urls(..)` | broker; several separated by `;` (as Celery's `broker_url`) are the first URL and its failover URLs (the CLI connects to the first that answers, warning about each that does not); a list mixing `amqps://` and `amqp://` is refused, and a `;` in a password is written `%3B` | `amqp://user:pass@host:5672/%2f` (vhost `/` is `%2f`), `amqps://…:5671/…` for TLS | `amqp://guest:guest@127.0.0.1:5672/%2f` |\n",
@@ -321,7 +365,7 @@ settings! {
         /// [`DeadLetterMode`].
         ///
         /// ```
-        /// use redeliver_worker::{DeadLetterMode, Worker};
+        /// use redeliver::{DeadLetterMode, Worker};
         /// let builder = Worker::builder("amqp://127.0.0.1:5672/%2f")
         ///     .queue("images")
         ///     .dead_letter_mode(DeadLetterMode::Annotate);
@@ -330,6 +374,11 @@ settings! {
         value dead_letter_mode(mode: DeadLetterMode) = DeadLetterMode::Reject,
             "how dead letters reach `Q.dlq`: `Reject` (the broker's DLX moves the message, `x-death` says `rejected`) or `Annotate` (the worker publishes it to `Q.dlx` with `x-redeliver-dead-letter-reason`, `-error`, `-attempts`, `x-redeliver-dead-lettered-at`, `-by`, confirmed, then acks the original)", "`Reject`",
             env DEAD_LETTER_MODE = "REDELIVER_DEAD_LETTER_MODE", "`reject` or `annotate`", read::from_str;
+        /// Where retries wait: the delay levels, the queue itself (RabbitMQ 4.3+ quorum queues,
+        /// over AMQP 1.0), or the second where it works; see [`RetryMode`].
+        value retry_mode(mode: RetryMode) = RetryMode::Levels,
+            "where retries wait: `Levels` (TTL delay levels), `Native` (the quorum queue holds them, RabbitMQ 4.3+, over AMQP 1.0) or `Auto` (native where it works)", "`Levels`",
+            env RETRY_MODE = "REDELIVER_RETRY_MODE", "`levels`, `native` or `auto`", read::from_str;
         /// How often the worker itself gives one message back to its queue, because the broker did
         /// not confirm the copy that would have replaced it (a retry copy, a repaired copy), before
         /// it dead-letters the message instead (reason `requeue_limit`). Each requeue waits 1 s.
@@ -367,7 +416,7 @@ settings! {
     }
     hand_written_env_rows_last: [
         "| `REDELIVER_MAX_RETRIES` | `.policy(..)` | retries before the DLQ (amends the builder's policy) | integer | the policy's |\n",
-        "| `REDELIVER_RETRY_BASE` | `.policy(..)` | first backoff delay (amends the builder's policy) | a duration (`200ms`) | the policy's |\n",
+        "| `REDELIVER_RETRY_BASE` | `.policy(..)` | first backoff delay: the base of an exponential or linear backoff, the delay of a constant one; refused for a fixed schedule, which has none (amends the builder's policy) | a duration (`200ms`) | the policy's |\n",
         "| `REDELIVER_RETRY_CAP` | `.policy(..)` | largest backoff delay (amends the builder's policy) | a duration (`30s`) | the policy's |\n",
         "| `REDELIVER_HEALTH_ADDR` | `ServiceSettings::health_addr` | health server `/livez` `/readyz` `/metrics` | `0.0.0.0:8080`, `[::1]:8080`, or a bare port `8080` for every IPv4 and IPv6 address | off |\n",
         "| `REDELIVER_LOG_FORMAT` | `ServiceSettings::log_format` | log lines | `json` or `pretty` | `pretty` |\n",
@@ -563,7 +612,7 @@ mod tests {
             format!("{:?}", RetryPolicy::default())
         );
         assert_eq!(
-            RetryPolicy::default().backoff().base(),
+            RetryPolicy::default().configured_backoff().base(),
             Duration::from_secs(1)
         );
     }

@@ -20,17 +20,18 @@ use lapin::message::Delivery;
 use lapin::BasicProperties;
 use redeliver_amqp::headers::{self, DeadLetterInfo, ForwardInfo, RetryState};
 use redeliver_amqp::{DelayConfig, PublishError};
-use redeliver_core::Forward;
+use redeliver_core::{DeadLetterReason, Forward};
 use tokio_util::sync::CancellationToken;
 use tracing::{error, info, warn, Span};
 
-use crate::broker::{Broker, CopyError};
+use crate::broker::{Broker, CopyError, Publish};
 use crate::copy::Original;
 use crate::meters::Meters;
 use crate::metrics_names as m;
 use crate::outcome::{Outcome, Settled};
 use crate::requeue::{self, RequeueLedger};
-use crate::settings::DeadLetterMode;
+use crate::settings::{DeadLetterMode, RetryMode};
+use crate::status::RetryStatus;
 
 #[cfg(test)]
 mod tests;
@@ -58,10 +59,23 @@ pub(crate) struct Rules {
     pub(crate) delay_levels: DelayConfig,
     /// The connection's user: a copy keeps a `user_id` only if it is this one.
     pub(crate) username: String,
+    /// Where this session's retries wait ([`RetryMode::Levels`] or [`RetryMode::Native`]), for
+    /// the delivery span.
+    pub(crate) retry_mode: RetryMode,
+    /// The worker's retry status: set once the broker ignored a native retry's delivery time,
+    /// after which retries go through the delay levels.
+    pub(crate) retries: Arc<RetryStatus>,
     /// The broker dead-letters a message with a malformed `x-death` without crashing (so a
     /// sanitized copy that keeps failing may end in the DLQ). False for RabbitMQ 3.x and
     /// unknown ones.
     pub(crate) dead_letters_malformed_x_death: bool,
+}
+
+/// The time now in Unix milliseconds (0 before 1970, which no clock here is).
+pub(crate) fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
 }
 
 /// The delivery being settled, as settling reads it.
@@ -174,6 +188,63 @@ impl<B: Broker> Settle<'_, B> {
                 Box::pin(self.requeue_bounded(reason, Cause::Panic(&error))).await
             }
             Outcome::Abandon => Settled::Abandoned,
+            Outcome::Early { remaining } => Box::pin(self.early(remaining)).await,
+        }
+    }
+
+    /// A native retry handed out `remaining` before its time: the broker ignores
+    /// `x-opt-delivery-time` (a classic queue, a node before 4.3). The message waits the rest in
+    /// the delay levels (a confirmed copy, its retry state unchanged, then the original
+    /// accepted), and this worker's later retries go there too.
+    async fn early(&self, remaining: Duration) -> Settled {
+        let msg = &self.message;
+        if !self.rules.retries.ignored() {
+            error!(queue = %self.rules.queue, message_id = %msg.message_id, early_by_ms = remaining.as_millis() as u64, "the broker delivered a native retry before its time (it ignores x-opt-delivery-time: a classic queue, or a node before RabbitMQ 4.3?); the handler did not run, and retries use the delay levels from now on");
+        }
+        self.rules.retries.set_ignored(&self.rules.queue);
+        if !self.broker.is_open() {
+            return self.failed("hold", Ok(false));
+        }
+        let delay = remaining.min(self.rules.max_delay);
+        let props = self.original().waiting();
+        match self
+            .broker
+            .copies()
+            .publish_delayed(&self.rules.queue, delay, msg.body, props)
+            .await
+        {
+            Ok(()) => self.ack_replaced("hold", Settled::Retried),
+            Err(e) => {
+                error!(message_id = %msg.message_id, error = %e, "the copy holding an early retry was not confirmed; requeueing the original");
+                self.requeue_bounded(DeadLetterReason::EarlyUnconfirmed, Cause::Copy(&e))
+                    .await
+            }
+        }
+    }
+
+    /// A native retry: the queue holds the delivery until `delay` has passed and hands it out
+    /// again with the new retry state as annotations. No copy, no hop, the delay exact.
+    async fn hold(&self, delay: Duration, attempt: u32, error: &str) -> Settled {
+        let msg = &self.message;
+        let until_ms =
+            now_ms().saturating_add(u64::try_from(delay.as_millis()).unwrap_or(u64::MAX));
+        let state = self.original().next_state(attempt, delay, error, until_ms);
+        match self.own_frame(self.broker.hold(until_ms, &state)).await {
+            Ok(true) => {
+                self.forget_requeues();
+                metrics::counter!(m::MESSAGES_RETRIED, m::LABEL_QUEUE => self.rules.queue.clone(), m::LABEL_ATTEMPT => m::attempt_label(attempt))
+                    .increment(1);
+                info!(
+                    message_id = %msg.message_id,
+                    attempt,
+                    delay_ms = delay.as_millis() as u64,
+                    error = %error,
+                    native = true,
+                    "retry scheduled"
+                );
+                Settled::Retried
+            }
+            other => self.failed("retry", other),
         }
     }
 
@@ -196,6 +267,9 @@ impl<B: Broker> Settle<'_, B> {
         if !self.broker.is_open() {
             return self.failed("retry", Ok(false));
         }
+        if self.broker.holds_retries() && !self.rules.retries.ignored() {
+            return self.hold(delay, attempt, error).await;
+        }
         let max = self.rules.max_delay;
         let delay = if delay > max {
             warn!(requested = ?delay, max = ?max, "retry delay above the delay infrastructure's maximum; using the maximum");
@@ -212,6 +286,7 @@ impl<B: Broker> Settle<'_, B> {
         let queue = &self.rules.queue;
         match self
             .broker
+            .copies()
             .publish_delayed(queue, delay, msg.body, props)
             .await
         {
@@ -230,7 +305,7 @@ impl<B: Broker> Settle<'_, B> {
             Err(CopyError::Publish(e @ PublishError::TooLarge { .. })) => {
                 // The same copy will never fit: no requeue, no retry.
                 let error = format!("{error} (retry copy refused: {e})");
-                self.dead_letter(m::REASON_TOO_LARGE, &error).await
+                self.dead_letter(DeadLetterReason::TooLarge, &error).await
             }
             Err(e) => {
                 error!(
@@ -240,7 +315,7 @@ impl<B: Broker> Settle<'_, B> {
                     handler_error = %error,
                     "retry copy not confirmed by the broker; requeueing the original"
                 );
-                self.requeue_bounded(m::REASON_RETRY_UNCONFIRMED, Cause::Copy(&e))
+                self.requeue_bounded(DeadLetterReason::RetryUnconfirmed, Cause::Copy(&e))
                     .await
             }
         }
@@ -248,10 +323,15 @@ impl<B: Broker> Settle<'_, B> {
 
     /// Moves the message to the DLQ the configured way; the final error and reason go to the
     /// span, the log line and the metric in every mode.
-    async fn dead_letter(&self, reason: &'static str, error: &str) -> Settled {
+    async fn dead_letter(&self, reason: DeadLetterReason, error: &str) -> Settled {
         let span = Span::current();
-        span.record("reason", reason);
+        span.record("reason", reason.as_str());
         span.record("error", error);
+        if self.broker.holds_retries() {
+            // The queue's DLX moves the message with the reason as annotations: Reject's path
+            // and Annotate's readable reason in one.
+            return self.reject_to_dlx(reason, error).await;
+        }
         match self.rules.mode {
             DeadLetterMode::Reject => self.reject_to_dlx(reason, error).await,
             DeadLetterMode::Annotate => Box::pin(self.annotate_to_dlx(reason, error)).await,
@@ -261,13 +341,13 @@ impl<B: Broker> Settle<'_, B> {
     /// `Annotate`: publishes the dead letter to `Q.dlx` with the reason and the final error,
     /// confirmed, then acks the original. The broker never sees a reject, so the copy carries no
     /// `x-death`.
-    async fn annotate_to_dlx(&self, reason: &'static str, error: &str) -> Settled {
+    async fn annotate_to_dlx(&self, reason: DeadLetterReason, error: &str) -> Settled {
         let msg = &self.message;
         if !self.broker.is_open() {
             return self.failed("dead-letter", Ok(false));
         }
         let props = self.original().dead_letter(&DeadLetterInfo {
-            reason: reason.to_owned(),
+            reason: reason.as_str().to_owned(),
             error: Some(error.to_owned()),
             attempts: Some(u64::from(msg.state.attempt) + 1),
             at: Some(headers::now_rfc3339()),
@@ -275,6 +355,7 @@ impl<B: Broker> Settle<'_, B> {
         });
         match self
             .broker
+            .copies()
             .publish(&self.rules.dlx, &self.rules.queue, msg.body, props)
             .await
         {
@@ -288,16 +369,25 @@ impl<B: Broker> Settle<'_, B> {
                 self.reject_to_dlx(reason, error).await
             }
             Err(e) => {
-                error!(message_id = %msg.message_id, error = %e, reason, "dead letter not confirmed by the broker; requeueing the original");
-                self.requeue_bounded(m::REASON_DEAD_LETTER_UNCONFIRMED, Cause::Copy(&e))
+                error!(message_id = %msg.message_id, error = %e, reason = reason.as_str(), "dead letter not confirmed by the broker; requeueing the original");
+                self.requeue_bounded(DeadLetterReason::DeadLetterUnconfirmed, Cause::Copy(&e))
                     .await
             }
         }
     }
 
-    /// `basic.reject(requeue = false)`: the broker's DLX moves the message to the DLQ.
-    async fn reject_to_dlx(&self, reason: &'static str, error: &str) -> Settled {
-        match self.reject(false).await {
+    /// `basic.reject(requeue = false)`, or a native dead letter: the broker's DLX moves the
+    /// message to the DLQ.
+    async fn reject_to_dlx(&self, reason: DeadLetterReason, error: &str) -> Settled {
+        let info = DeadLetterInfo {
+            reason: reason.as_str().to_owned(),
+            error: Some(error.to_owned()),
+            attempts: Some(u64::from(self.message.state.attempt) + 1),
+            at: Some(headers::now_rfc3339()),
+            by: Some(self.rules.connection_name.clone()),
+        };
+        let dead_letter = self.broker.dead_letter(&info, self.message.state);
+        match self.own_frame(dead_letter).await {
             Ok(true) => {
                 // The broker moves the original unchanged; this event is where the final error
                 // lives, so it carries the message id itself.
@@ -308,13 +398,13 @@ impl<B: Broker> Settle<'_, B> {
         }
     }
 
-    fn count_dead_letter(&self, reason: &'static str, error: &str, event: &str) {
-        metrics::counter!(m::MESSAGES_DEAD_LETTERED, m::LABEL_QUEUE => self.rules.queue.clone(), m::LABEL_REASON => reason)
+    fn count_dead_letter(&self, reason: DeadLetterReason, error: &str, event: &str) {
+        metrics::counter!(m::MESSAGES_DEAD_LETTERED, m::LABEL_QUEUE => self.rules.queue.clone(), m::LABEL_REASON => reason.as_str())
             .increment(1);
         warn!(
             message_id = %self.message.message_id,
             attempt = self.message.state.attempt,
-            reason,
+            reason = reason.as_str(),
             error = %error,
             dlq = %self.rules.dlq,
             "{event}"
@@ -348,6 +438,7 @@ impl<B: Broker> Settle<'_, B> {
         });
         match self
             .broker
+            .copies()
             .publish(to.exchange(), to.routing_key(), msg.body, props)
             .await
         {
@@ -363,11 +454,11 @@ impl<B: Broker> Settle<'_, B> {
             }
             Err(CopyError::Publish(e @ PublishError::TooLarge { .. })) => {
                 let error = format!("{error} (forwarded copy refused: {e})");
-                self.dead_letter(m::REASON_TOO_LARGE, &error).await
+                self.dead_letter(DeadLetterReason::TooLarge, &error).await
             }
             Err(e) => {
                 error!(message_id = %msg.message_id, error = %e, to = %to, "forwarded copy not confirmed by the broker; requeueing the original");
-                self.requeue_bounded(m::REASON_FORWARD_UNCONFIRMED, Cause::Copy(&e))
+                self.requeue_bounded(DeadLetterReason::ForwardUnconfirmed, Cause::Copy(&e))
                     .await
             }
         }
@@ -385,6 +476,7 @@ impl<B: Broker> Settle<'_, B> {
         // The default exchange routes to the queue by name, whatever its bindings.
         match self
             .broker
+            .copies()
             .publish("", &self.rules.queue, msg.body, props)
             .await
         {
@@ -398,20 +490,25 @@ impl<B: Broker> Settle<'_, B> {
             }
             Err(e) => {
                 error!(message_id = %msg.message_id, error = %e, "copy without the malformed x-death not confirmed by the broker; requeueing the original");
-                self.requeue_bounded(m::REASON_SANITIZE_UNCONFIRMED, Cause::SanitizedCopy(&e))
-                    .await
+                self.requeue_bounded(
+                    DeadLetterReason::SanitizeUnconfirmed,
+                    Cause::SanitizedCopy(&e),
+                )
+                .await
             }
+        }
+    }
+
+    fn forget_requeues(&self) {
+        let mut ledger = requeue::lock(self.requeues);
+        if !ledger.is_empty() {
+            ledger.forget(self.message.identity());
         }
     }
 
     /// The original's replacement is confirmed: forget its requeues and ack it.
     fn ack_replaced(&self, op: &str, done: Settled) -> Settled {
-        {
-            let mut ledger = requeue::lock(self.requeues);
-            if !ledger.is_empty() {
-                ledger.forget(self.message.identity());
-            }
-        }
+        self.forget_requeues();
         if self.broker.ack(false) {
             done
         } else {
@@ -425,7 +522,7 @@ impl<B: Broker> Settle<'_, B> {
     /// 4.3 no longer counts requeues toward the delivery limit, and a classic queue never did,
     /// so nothing else would end the cycle), except a message with a malformed `x-death` on a
     /// broker that crashes dead-lettering it (there its quorum queue counts the requeues).
-    async fn requeue_bounded(&self, reason: &'static str, cause: Cause<'_>) -> Settled {
+    async fn requeue_bounded(&self, reason: DeadLetterReason, cause: Cause<'_>) -> Settled {
         let key = self.message.identity();
         let count = if cause.counts() {
             requeue::lock(self.requeues).record(key)
@@ -436,16 +533,18 @@ impl<B: Broker> Settle<'_, B> {
         if count > limit && cause.may_dead_letter(self.rules) {
             requeue::lock(self.requeues).forget(key);
             error!(message_id = %self.message.message_id, requeues = count - 1, limit, "requeue limit reached: dead-lettering the message instead");
-            let error = format!("{reason} {} times, last: {cause}", count - 1);
+            let error = format!("{} {} times, last: {cause}", reason.as_str(), count - 1);
             let span = Span::current();
-            span.record("reason", m::REASON_REQUEUE_LIMIT);
+            span.record("reason", DeadLetterReason::RequeueLimit.as_str());
             span.record("error", error.as_str());
             // Rejected whatever the mode: publishing is what keeps failing.
-            return self.reject_to_dlx(m::REASON_REQUEUE_LIMIT, &error).await;
+            return self
+                .reject_to_dlx(DeadLetterReason::RequeueLimit, &error)
+                .await;
         }
-        metrics::counter!(m::MESSAGES_REQUEUED, m::LABEL_QUEUE => self.rules.queue.clone(), m::LABEL_REASON => reason)
+        metrics::counter!(m::MESSAGES_REQUEUED, m::LABEL_QUEUE => self.rules.queue.clone(), m::LABEL_REASON => reason.as_str())
             .increment(1);
-        warn!(message_id = %self.message.message_id, reason, requeues = count, limit, "requeueing the message");
+        warn!(message_id = %self.message.message_id, reason = reason.as_str(), requeues = count, limit, "requeueing the message");
         if !self.broker.is_open() {
             // Lost with the connection: nothing to requeue, the broker redelivers it.
             return self.failed("requeue", Ok(false));
@@ -464,7 +563,16 @@ impl<B: Broker> Settle<'_, B> {
 
     /// `basic.reject`, and what its fate means for the channel's batched acks.
     async fn reject(&self, requeue: bool) -> Result<bool, lapin::Error> {
-        let rejected = self.broker.reject(requeue).await;
+        self.own_frame(self.broker.reject(requeue)).await
+    }
+
+    /// A settlement sent in a frame of its own (a reject, a native outcome), and what its fate
+    /// means for the channel's batched acks.
+    async fn own_frame(
+        &self,
+        frame: impl std::future::Future<Output = Result<bool, lapin::Error>>,
+    ) -> Result<bool, lapin::Error> {
+        let rejected = frame.await;
         match rejected {
             // Only once the reject frame is out may a batched ack cover later tags.
             Ok(true) => self.broker.released(),

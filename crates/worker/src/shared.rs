@@ -33,13 +33,21 @@ pub(crate) struct Shared {
     pub(crate) blocked: BlockedFlag,
     /// The publishing connections, shared with the other workers of a `run_all`.
     pub(crate) publishing: Pool,
+    /// Where retries wait; [`WorkerStatus::retry_mode`](crate::WorkerStatus::retry_mode).
+    pub(crate) retries: Arc<crate::status::RetryStatus>,
 }
 
 impl Shared {
-    pub(crate) fn new(config: Arc<Resolved>, blocked: BlockedFlag, publishing: Pool) -> Self {
+    pub(crate) fn new(
+        config: Arc<Resolved>,
+        blocked: BlockedFlag,
+        publishing: Pool,
+        retries: Arc<crate::status::RetryStatus>,
+    ) -> Self {
         Self {
             blocked,
             publishing,
+            retries,
             permits: Permits::new(config.settings.concurrency),
             tracker: TaskTracker::new(),
             draining: Arc::default(),

@@ -8,6 +8,7 @@ use std::time::Duration;
 use tokio::sync::watch;
 
 use crate::metrics_names;
+use crate::settings::RetryMode;
 
 /// Lifecycle state of one [`Worker`](crate::Worker).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -58,21 +59,22 @@ impl fmt::Display for WorkerState {
 
 /// Cloneable, read-only view of a worker's [`WorkerState`], for readiness probes.
 ///
-/// Get one from [`WorkerBuilder::status_handle`](crate::WorkerBuilder::status_handle) (before the
-/// worker runs) or [`Worker::status_handle`](crate::Worker::status_handle).
+/// Get one from [`Worker::status_handle`](crate::Worker::status_handle), after
+/// [`build`](crate::WorkerBuilder::build) and before or while the worker runs.
 ///
 /// ```no_run
 /// # async fn demo() -> Result<(), redeliver::WorkerError> {
 /// use redeliver::{Context, HandlerError, Raw, Worker};
-/// let builder = Worker::builder("amqp://127.0.0.1:5672/%2f")
+/// let worker = Worker::builder("amqp://127.0.0.1:5672/%2f")
 ///     .queue("images")
-///     .handler(|_msg: Raw, _ctx: Context| async move { Ok::<(), HandlerError>(()) });
-/// let status = builder.status_handle();
+///     .handler(|_msg: Raw, _ctx: Context| async move { Ok::<(), HandlerError>(()) })
+///     .build()?;
+/// let status = worker.status_handle();
 /// tokio::spawn(async move {
 ///     // e.g. answer /readyz with 200 only while this is true
 ///     let _ready = status.is_ready();
 /// });
-/// builder.run_until_signal().await
+/// worker.run(redeliver::shutdown_on_signal()?).await
 /// # }
 /// ```
 #[derive(Clone, Debug)]
@@ -81,6 +83,58 @@ pub struct WorkerStatus {
     queue: Arc<OnceLock<String>>,
     broker: Arc<AtomicUsize>,
     blocked: Arc<AtomicBool>,
+    retries: Arc<RetryStatus>,
+}
+
+/// Where the current session's retries wait, and whether the broker was seen to ignore a native
+/// retry's delivery time: the retry side of [`WorkerStatus`].
+#[derive(Debug, Default)]
+pub(crate) struct RetryStatus {
+    /// 0 before the first session, 1 levels, 2 native.
+    mode: std::sync::atomic::AtomicU8,
+    ignored: AtomicBool,
+    /// Native consumption is paused until then: the broker failed delivering a message over
+    /// AMQP 1.0.
+    paused_until: std::sync::Mutex<Option<std::time::Instant>>,
+}
+
+impl RetryStatus {
+    pub(crate) fn set_mode(&self, mode: RetryMode) {
+        let v = match mode {
+            RetryMode::Native => 2,
+            _ => 1,
+        };
+        self.mode.store(v, Ordering::Release);
+    }
+
+    /// The broker handed a native retry out before its time: retries go through the delay
+    /// levels from now on (this worker's life), which the status and a metric say.
+    pub(crate) fn set_ignored(&self, queue: &str) {
+        if !self.ignored.swap(true, Ordering::AcqRel) {
+            metrics::gauge!(metrics_names::NATIVE_RETRY_IGNORED, metrics_names::LABEL_QUEUE => queue.to_owned())
+                .set(1.0);
+        }
+    }
+
+    pub(crate) fn ignored(&self) -> bool {
+        self.ignored.load(Ordering::Acquire)
+    }
+
+    /// Consume over AMQP 0-9-1 for `d`.
+    pub(crate) fn pause_native(&self, d: Duration) {
+        if let Ok(mut until) = self.paused_until.lock() {
+            *until = Some(std::time::Instant::now() + d);
+        }
+    }
+
+    /// Whether native consumption is paused now.
+    pub(crate) fn native_paused(&self) -> bool {
+        self.paused_until
+            .lock()
+            .ok()
+            .and_then(|u| *u)
+            .is_some_and(|u| std::time::Instant::now() < u)
+    }
 }
 
 /// [`WorkerStatus::broker`] before the first connection.
@@ -111,6 +165,24 @@ impl WorkerStatus {
     /// the worker is built (the builder may still change the queue).
     pub fn queue(&self) -> Option<&str> {
         self.queue.get().map(String::as_str)
+    }
+
+    /// Where retries wait in the current session: [`RetryMode::Levels`] or
+    /// [`RetryMode::Native`] (what [`RetryMode::Auto`] chose); `None` before the first session.
+    pub fn retry_mode(&self) -> Option<RetryMode> {
+        match self.retries.mode.load(Ordering::Acquire) {
+            1 => Some(RetryMode::Levels),
+            2 => Some(RetryMode::Native),
+            _ => None,
+        }
+    }
+
+    /// True once the broker handed a native retry out before its delivery time (a classic
+    /// queue, a node older than 4.3 behind the same address): the handler did not run early,
+    /// and this worker's retries go through the delay levels from then on. Metric
+    /// `redeliver_native_retry_ignored`.
+    pub fn native_retry_ignored(&self) -> bool {
+        self.retries.ignored()
     }
 
     /// Which URL the worker connected through last: 0 for the one given to
@@ -160,6 +232,7 @@ pub(crate) struct StatusSender {
     queue: Arc<OnceLock<String>>,
     broker: Arc<AtomicUsize>,
     blocked: Arc<AtomicBool>,
+    pub(crate) retries: Arc<RetryStatus>,
 }
 
 /// The write side of [`WorkerStatus::is_blocked`], for the sessions of a running worker.
@@ -186,6 +259,7 @@ impl StatusSender {
             queue: Arc::new(OnceLock::new()),
             broker: Arc::new(AtomicUsize::new(NO_BROKER)),
             blocked: Arc::new(AtomicBool::new(false)),
+            retries: Arc::default(),
         }
     }
 
@@ -212,6 +286,7 @@ impl StatusSender {
             queue: self.queue.clone(),
             broker: self.broker.clone(),
             blocked: self.blocked.clone(),
+            retries: Arc::clone(&self.retries),
         }
     }
 

@@ -52,6 +52,8 @@ fn rules(mode: DeadLetterMode) -> Rules {
         max_delay: Duration::from_secs(3600),
         delay_levels: DelayConfig::default(),
         username: "guest".into(),
+        retries: Default::default(),
+        retry_mode: crate::settings::RetryMode::Levels,
         dead_letters_malformed_x_death: true,
     }
 }
@@ -578,4 +580,84 @@ async fn a_closed_channel_settles_nothing() {
     let h = Harness::new(builder().handler(ok), DeadLetterMode::Reject, broker);
     h.deliver(order()).await;
     assert!(h.broker().calls().is_empty());
+}
+
+/// The same rules over a broker whose queue holds retries (native mode): a retry is a
+/// `modified` with the delivery time and the new retry state, no copy; a dead letter carries
+/// the reason, whatever the dead-letter mode.
+#[tokio::test]
+async fn natively_a_retry_is_held_by_the_queue_with_its_state() {
+    let h = Harness::new(
+        builder().handler(|_: Raw, _| async { Err(HandlerError::transient("503")) }),
+        DeadLetterMode::Reject,
+        FakeBroker::native(),
+    );
+    let before = crate::settle::now_ms();
+    h.deliver(order()).await;
+    let calls = h.broker().calls();
+    let [Call::Hold { until_ms, state }] = &calls[..] else {
+        panic!("one hold, no copy, no ack: {calls:?}");
+    };
+    assert!(*until_ms >= before + 100 && *until_ms <= crate::settle::now_ms() + 100);
+    assert_eq!(state.attempt, 1);
+    assert_eq!(state.last_error.as_deref(), Some("503"));
+    assert_eq!(state.not_before_ms, Some(*until_ms));
+    assert_eq!(state.original_exchange.as_deref(), Some("shop"));
+}
+
+#[tokio::test]
+async fn natively_a_dead_letter_carries_its_reason_in_either_mode() {
+    for mode in [DeadLetterMode::Reject, DeadLetterMode::Annotate] {
+        let h = Harness::new(
+            builder().handler(|_: Raw, _| async { Err(HandlerError::permanent("bad order")) }),
+            mode,
+            FakeBroker::native(),
+        );
+        h.deliver(order()).await;
+        let calls = h.broker().calls();
+        let [Call::DeadLetter { info }] = &calls[..] else {
+            panic!("one native dead letter, no copy: {calls:?}");
+        };
+        assert_eq!(info.reason, "permanent");
+        assert_eq!(info.error.as_deref(), Some("bad order"));
+        assert_eq!(info.attempts, Some(1));
+        assert_eq!(info.by.as_deref(), Some("test-worker"));
+    }
+}
+
+/// A retry that arrives before its earliest time (the broker ignored the delivery time) never
+/// reaches the handler: the rest of its time goes to the delay levels, and later retries too.
+#[tokio::test]
+async fn an_early_retry_waits_in_the_levels_and_later_retries_follow() {
+    let h = Harness::new(
+        builder().handler(|_: Raw, _| async { panic!("the handler ran early") }),
+        DeadLetterMode::Reject,
+        FakeBroker::native(),
+    );
+    let mut early = FieldTable::default();
+    early.insert(headers::ATTEMPT.into(), AMQPValue::LongLongInt(1));
+    early.insert(
+        headers::NOT_BEFORE.into(),
+        AMQPValue::LongLongInt((crate::settle::now_ms() + 30_000) as i64),
+    );
+    h.deliver(delivery(b"{}", early)).await;
+    let calls = h.broker().calls();
+    let [Call::PublishDelayed { queue, delay }, Call::Ack { success: false }] = &calls[..] else {
+        panic!("the rest in the levels, then the original settled: {calls:?}");
+    };
+    assert_eq!(queue, QUEUE);
+    assert!(*delay > Duration::from_secs(29) && *delay <= Duration::from_secs(30));
+    let copy = published_retry_state(h.broker());
+    assert_eq!(copy.attempt, 1, "the retry state is unchanged");
+    assert!(h.session.rules.retries.ignored());
+    // A fresh failure (the handler's panic is a transient error) now goes to the levels.
+    h.deliver(order()).await;
+    let calls = h.broker().calls();
+    assert!(
+        matches!(
+            calls[2..],
+            [Call::PublishDelayed { .. }, Call::Ack { success: false }]
+        ),
+        "{calls:?}"
+    );
 }

@@ -84,7 +84,7 @@ pub(super) async fn watch_topology(
     verify_only: bool,
     every: Duration,
 ) {
-    let name = topology.delay_config().unroutable_name();
+    let name = topology.configured_delay().unroutable_name();
     let mut tick = tokio::time::interval(every);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {

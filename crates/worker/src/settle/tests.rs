@@ -26,6 +26,8 @@ fn rules(mode: DeadLetterMode) -> Rules {
         max_delay: Duration::from_secs(60),
         delay_levels: redeliver_amqp::DelayConfig::default(),
         username: "guest".into(),
+        retries: Default::default(),
+        retry_mode: crate::settings::RetryMode::Levels,
         dead_letters_malformed_x_death: true,
     }
 }
@@ -86,7 +88,7 @@ fn retry(delay_ms: u64) -> Outcome {
 
 fn dead_letter() -> Outcome {
     Outcome::DeadLetter {
-        reason: m::REASON_PERMANENT,
+        reason: DeadLetterReason::Permanent,
         error: "bad input".into(),
     }
 }
@@ -320,7 +322,9 @@ async fn annotate_mode_publishes_to_the_dlx_then_acks() {
     let h = b.published_headers();
     assert_eq!(
         header(&h, headers::DEAD_LETTER_REASON),
-        Some(&AMQPValue::LongString(m::REASON_PERMANENT.into()))
+        Some(&AMQPValue::LongString(
+            DeadLetterReason::Permanent.as_str().into()
+        ))
     );
     assert_eq!(
         header(&h, headers::DEAD_LETTERED_BY),
