@@ -34,8 +34,8 @@ use std::time::Duration;
 use redeliver::worker::env::ServiceSettings;
 use redeliver::worker::health::{self, Health};
 use redeliver::{
-    CancellationToken, Classifier, Context, Forward, Jitter, Json, RetryPolicy, TimedOut, Worker,
-    WorkerBuilder,
+    run_all, CancellationToken, Classifier, Context, Forward, Jitter, Json, RetryMode, RetryPolicy,
+    TimedOut, Worker, WorkerBuilder,
 };
 
 /// Time limit of one job on the standard queue; the heavy queue's is twelve times longer.
@@ -59,12 +59,14 @@ async fn main() -> anyhow::Result<()> {
         .clone()
         .classifier(Classifier::default().forward_on::<TimedOut>())
         .forward(Forward::to_queue(heavy_full).after_attempts(2));
-    let worker = standard.policy(forwarding).handler(process);
+    let worker = standard.policy(forwarding).handler(process).build()?;
     let heavy_worker = builder()?
         .queue(heavy)
         .handler_timeout(limit * 12)
-        .handler(process);
+        .handler(process)
+        .build()?;
 
+    // The health server has a token of its own: it outlives the drain the signal starts.
     let token = CancellationToken::new();
     let health = match cfg.health_addr {
         Some(addr) => {
@@ -80,8 +82,7 @@ async fn main() -> anyhow::Result<()> {
     };
     tracing::info!(settings = ?worker.settings(), "starting the image-processing worker");
     // Until SIGTERM or Ctrl-C, then the handlers in flight finish (the grace period).
-    let result =
-        redeliver::worker::run_all_until_signal([worker.build()?, heavy_worker.build()?]).await;
+    let result = run_all([worker, heavy_worker], redeliver::shutdown_on_signal()?).await;
     // The health server outlives the drain, so probes see 503 while it happens.
     token.cancel();
     if let Some(health) = health {
@@ -100,6 +101,9 @@ fn builder() -> anyhow::Result<WorkerBuilder> {
                 .jitter(Jitter::Full)
                 .max_retries(3),
         )
+        // On RabbitMQ 4.3+ the quorum queue holds each retry itself (no copy, no delay-level
+        // hops, the jittered delay exact); elsewhere the delay levels do.
+        .retry_mode(RetryMode::Auto)
         .handler_timeout(TIME_LIMIT)
         .env()?)
 }

@@ -99,7 +99,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
             .await
             .context("declaring the topology (use --no-declare if an operator owns it)")?;
     }
-    let publisher = Publisher::new(&conn, topology.delay_config().clone()).await?;
+    let publisher = Publisher::new(&conn, topology.configured_delay().clone()).await?;
     let queue = topology.queue_name();
 
     let mut messages: Vec<(String, Vec<u8>)> = Vec::new();

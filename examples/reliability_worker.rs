@@ -7,9 +7,10 @@
 //!
 //! - the body must be JSON `{"id": "...", "mode": "..."}` (`mode` optional); anything else is
 //!   dead-lettered by the worker without calling the handler;
-//! - `mode` forces a behaviour: `ok`, `fail` (transient error every time), `permanent`, `panic`,
-//!   `hang`, `abort` (the process dies on the spot, as a worker crashing on a poison message);
-//!   without it the seeded rates `--fail-rate`, `--panic-rate`, `--hang-rate` decide;
+//! - `mode` forces a behaviour: `ok`, `fail` (transient error every time), `flaky` (a transient
+//!   error on the first attempt, success on every retry), `permanent`, `panic`, `hang`, `abort`
+//!   (the process dies on the spot, as a worker crashing on a poison message); without it the
+//!   seeded rates `--fail-rate`, `--panic-rate`, `--hang-rate` decide;
 //! - on success the line `<message id> <--label>` is appended to the `--record` file *before*
 //!   the handler returns, so the ack can only follow a recorded success, and the harness can say
 //!   per id which processes handled it. A kill between the two makes the handler run twice for
@@ -19,7 +20,16 @@
 //!   reports the frame written). This is the worker's own `redeliver_messages_succeeded_total`
 //!   counter, observed through a `metrics` recorder installed here: it counts after the ack, not
 //!   before, so the harness can tell a message *acked* twice (the broker redelivered it although
-//!   its ack was sent) from a handler that ran twice because the kill fell before the ack.
+//!   its ack was sent) from a handler that ran twice because the kill fell before the ack;
+//! - with `--runs`, every handler call appends `<id> <attempt> <unix ms> <not-before> <delay ms>
+//!   <behaviour> <label>` *before* it acts: when it ran, and the earliest time its retry state
+//!   allowed (`x-redeliver-not-before`, which a native retry carries; `-` when absent) and the
+//!   delay that led to it (`x-redeliver-delay-ms`, `-` on a first attempt), so the harness can
+//!   tell whether any retry ran before its time.
+//!
+//! `--retry-mode levels|native|auto` (or `REDELIVER_RETRY_MODE`) says where retries wait
+//! ([`WorkerBuilder::retry_mode`](redeliver::WorkerBuilder::retry_mode)); the `--events` file's
+//! lines carry the mode the session chose (`levels` or `native`) as a fourth field.
 //!
 //! ```text
 //! AMQP_URL=amqp://guest:guest@127.0.0.1:5672/%2f cargo run --example reliability_worker -- \
@@ -46,10 +56,11 @@ use std::time::Duration;
 
 use anyhow::{bail, Context as _};
 use clap::{Parser, ValueEnum};
+use redeliver::amqp::headers::RetryState;
 use redeliver::worker::metrics_names::MESSAGES_SUCCEEDED;
 use redeliver::{
-    BudgetConfig, CancellationToken, Context, DelayConfig, HandlerError, Json, QueueType,
-    RetryBudget, RetryPolicy, Topology, Worker, WorkerState, WorkerStatus,
+    BudgetConfig, CancellationToken, Context, DelayConfig, HandlerError, Jitter, Json, QueueType,
+    RetryBudget, RetryMode, RetryPolicy, Topology, Worker, WorkerState, WorkerStatus,
 };
 use tracing::{info, warn};
 
@@ -151,6 +162,17 @@ struct Args {
     /// Largest retry delay.
     #[arg(long, default_value_t = 1_000)]
     retry_cap_ms: u64,
+    /// No jitter: each retry waits exactly its exponential delay.
+    #[arg(long)]
+    no_jitter: bool,
+    /// Where retries wait: `levels`, `native` (the quorum queue holds them, RabbitMQ 4.3+) or
+    /// `auto` (native where it works); the worker's default (`levels`) when not given.
+    #[arg(long, env = "REDELIVER_RETRY_MODE")]
+    retry_mode: Option<RetryMode>,
+    /// File every handler call appends `<id> <attempt> <unix ms> <not-before> <delay ms>
+    /// <behaviour> <label>` to, before it acts.
+    #[arg(long)]
+    runs: Option<PathBuf>,
     /// Enables a retry budget allowing this fraction of first attempts as retries.
     #[arg(long)]
     budget_percent: Option<f64>,
@@ -242,6 +264,7 @@ struct App {
     record: Mutex<File>,
     label: String,
     calls: Option<Mutex<File>>,
+    runs: Option<Mutex<File>>,
     fsync: bool,
     seed: u64,
     fail_rate: f64,
@@ -276,6 +299,8 @@ impl App {
         match job.mode.as_deref() {
             Some("ok") => return Behaviour::Ok,
             Some("fail") => return Behaviour::Fail,
+            Some("flaky") if attempt == 0 => return Behaviour::Fail,
+            Some("flaky") => return Behaviour::Ok,
             Some("permanent") => return Behaviour::Permanent,
             Some("panic") => return Behaviour::Panic,
             Some("hang") => return Behaviour::Hang,
@@ -317,6 +342,26 @@ impl App {
         }
     }
 
+    /// Appends this call's line to the `--runs` file: when it ran, the earliest time and the
+    /// delay its retry state carries.
+    fn log_run(&self, id: &str, ctx: &Context, behaviour: Behaviour) {
+        let Some(runs) = &self.runs else { return };
+        let state = RetryState::read(ctx.headers());
+        let or_dash = |v: Option<u64>| v.map_or_else(|| "-".to_owned(), |v| v.to_string());
+        let what = format!("{behaviour:?}").to_lowercase();
+        let line = format!(
+            "{id} {} {} {} {} {what} {}\n",
+            ctx.attempt(),
+            unix_ms(),
+            or_dash(state.not_before_ms),
+            or_dash(state.delay.and_then(|d| u64::try_from(d.as_millis()).ok())),
+            self.label
+        );
+        if let Err(e) = Self::append(runs, &line, false) {
+            warn!(error = %e, "cannot append to the runs file");
+        }
+    }
+
     async fn handle(&self, job: Job, ctx: Context) -> Result<(), HandlerError> {
         // The message_id property is the accounting key (kept on every retry copy); the body's
         // id is the fallback for publishers that did not set it.
@@ -337,6 +382,7 @@ impl App {
             }
         }
         let behaviour = self.behaviour(&job, attempt);
+        self.log_run(&id, &ctx, behaviour);
         self.log_call(&id, attempt, &format!("{behaviour:?}").to_lowercase());
         self.act(behaviour, &id, attempt).await?;
         // Recorded before returning Ok, i.e. before the ack: if recording fails the message must
@@ -406,6 +452,9 @@ fn policy(args: &Args) -> RetryPolicy {
         .cap(Duration::from_millis(args.retry_cap_ms))
         .max_retries(args.max_retries)
         .seed(args.seed);
+    if args.no_jitter {
+        p = p.jitter(Jitter::None);
+    }
     if let Some(pct) = args.budget_percent {
         p = p.budget(RetryBudget::new(BudgetConfig {
             ttl: Duration::from_secs(args.budget_ttl_secs),
@@ -453,23 +502,28 @@ fn build(args: &Args, app: &Arc<App>, inbox: Option<inbox::Faulty>) -> anyhow::R
     if let Some(name) = &args.connection_name {
         b = b.connection_name(name.clone());
     }
+    if let Some(mode) = args.retry_mode {
+        b = b.retry_mode(mode);
+    }
     b.build().context("invalid worker configuration")
 }
 
-/// Appends `<unix ms> <state> <url index>` to the `--events` file at every state change.
+/// Appends `<unix ms> <state> <url index> <retry mode>` to the `--events` file at every state
+/// change (the mode the session chose, `levels` or `native`; `-` before the first session).
 fn watch_events(file: File, mut status: WorkerStatus) {
     let file = Mutex::new(file);
-    let write = move |state: WorkerState, broker: Option<usize>| {
+    let write = move |state: WorkerState, broker: Option<usize>, mode: Option<RetryMode>| {
         let ms = unix_ms();
         let broker = broker.map_or_else(|| "-".to_owned(), |i| i.to_string());
-        if let Err(e) = App::append(&file, &format!("{ms} {state} {broker}\n"), false) {
+        let mode = mode.map_or_else(|| "-".to_owned(), |m| m.to_string());
+        if let Err(e) = App::append(&file, &format!("{ms} {state} {broker} {mode}\n"), false) {
             warn!(error = %e, "cannot append to the events file");
         }
     };
     tokio::spawn(async move {
-        write(status.state(), status.broker());
+        write(status.state(), status.broker(), status.retry_mode());
         while let Some(state) = status.changed().await {
-            write(state, status.broker());
+            write(state, status.broker(), status.retry_mode());
         }
     });
 }
@@ -585,6 +639,12 @@ async fn main() -> anyhow::Result<()> {
         label: args.label.clone(),
         calls: args
             .calls
+            .as_ref()
+            .map(open_append)
+            .transpose()?
+            .map(Mutex::new),
+        runs: args
+            .runs
             .as_ref()
             .map(open_append)
             .transpose()?

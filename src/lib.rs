@@ -64,10 +64,23 @@
 //!         tracing::info!(url = %job.url, attempt = ctx.attempt(), "resizing");
 //!         Ok(())
 //!     })
-//!     .run_until_signal()
+//!     .build()?
+//!     .run(redeliver::shutdown_on_signal()?)
 //!     .await
 //! # }
 //! ```
+//!
+//! # Naming
+//!
+//! Settings are chained setters named after the setting (`RetryPolicy::max_retries(n)`,
+//! `Topology::delay(cfg)`, `TlsConfig::sasl_external(yes)`). On such a type the getter of a
+//! setting is `configured_` and the setter's name: `configured_max_retries()`,
+//! `configured_delay()`, `configured_sasl_external()` (`configured_bindings()` for the
+//! bindings that `bind` adds one by one). A value worked out from the settings, or read from a
+//! type that has no setter of that name, keeps a plain name: `Topology::queue_name()`,
+//! `DelayConfig::max_delay()`, `Context::attempt()`, `Settings::policy()`. A backoff's own
+//! parameters (an exponential factor) are given where the backoff is chosen, never by a setter
+//! that other backoffs would ignore.
 
 // Lints: `[workspace.lints]` in Cargo.toml.
 // docs.rs marks the items of optional features with the feature they need.
@@ -116,10 +129,10 @@ pub use redeliver_core::{
     HandlerError, Jitter, RetryBudget, RetryPolicy, TimedOut,
 };
 pub use redeliver_worker::{
-    run_all, run_all_until_signal, CancellationToken, Context, DeadLetterMode, DecodeError,
-    FromDelivery, Handler, Json, Raw, Settings, Text, Worker, WorkerBuilder, WorkerError,
-    WorkerState, WorkerStatus,
+    run_all, shutdown_on_signal, Context, DeadLetterMode, DecodeError, FromDelivery, Handler, Json,
+    Raw, RetryMode, Settings, Text, Worker, WorkerBuilder, WorkerError, WorkerState, WorkerStatus,
 };
+pub use tokio_util::sync::CancellationToken;
 
 // The README's Rust examples are compiled as doctests so they cannot drift from the API.
 #[cfg(doctest)]

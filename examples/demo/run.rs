@@ -349,8 +349,9 @@ async fn demo_body(
                 result
             }
         });
-    let mut status = builder.status_handle();
-    let worker = tokio::spawn(builder.run(token.clone()));
+    let worker = builder.build()?;
+    let mut status = worker.status_handle();
+    let worker = tokio::spawn(worker.run(token.clone()));
     // The worker declares the topology; publishing before it exists would be refused.
     let up = status
         .wait_for_timeout(Duration::from_secs(30), |s| {
@@ -463,7 +464,7 @@ async fn publish(
     jobs: &[ImageJob],
     poison: u32,
 ) -> anyhow::Result<()> {
-    let publisher = Publisher::new(conn, topology.delay_config().clone()).await?;
+    let publisher = Publisher::new(conn, topology.configured_delay().clone()).await?;
     let queue = topology.queue_name();
     let mut bodies: Vec<(String, Vec<u8>)> = jobs
         .iter()

@@ -38,8 +38,9 @@ overrides, zero-width characters) are written as \\u escapes, as they are escape
 /// Where the triage fields come from, shared by `dlq list`, `dlq stats` and the selections.
 pub(crate) const TRIAGE_FIELDS: &str = "\
 Why a message died (REASON, JSON \"reason\"): the worker's annotation \
-(x-redeliver-dead-letter-reason: permanent, retries_exhausted, budget_exhausted, undecodable, \
-too_large, requeue_limit) when it published the dead letter itself, else the broker's x-death \
+(x-redeliver-dead-letter-reason: permanent, retries_exhausted, budget_exhausted, \
+forward_unconfigured, undecodable, too_large, requeue_limit, or a name the handler gave) when \
+it published the dead letter itself, else the broker's x-death \
 reason (rejected, expired, maxlen, delivery_limit), else none. Its final error (ERROR, \
 \"final_error\"): the annotation's error, else the last retry's error \
 (x-redeliver-last-error). When it died (DEAD_LETTERED_AT, \"dead_lettered_at\"): the \
@@ -942,6 +943,22 @@ mod tests {
     #[test]
     fn clap_definition_is_consistent() {
         Cli::command().debug_assert();
+    }
+
+    /// The help lists every reason the worker dead-letters with: a reason added to
+    /// `DeadLetterReason` fails here until the text names it.
+    #[test]
+    fn triage_help_names_every_dead_letter_reason() {
+        let words: Vec<&str> = TRIAGE_FIELDS
+            .split(|c: char| !(c.is_ascii_lowercase() || c == '_'))
+            .collect();
+        for reason in redeliver_core::DeadLetterReason::ALL {
+            assert_eq!(
+                words.contains(&reason.as_str()),
+                !reason.is_requeue(),
+                "{reason:?} in TRIAGE_FIELDS"
+            );
+        }
     }
 
     #[test]

@@ -96,8 +96,9 @@ pub(crate) struct Summary {
     pub death_reason: Option<String>,
     pub death_count: Option<u64>,
     pub x_death: Vec<DeathView>,
-    /// Why the message is here: the worker's annotation (`x-redeliver-dead-letter-reason`:
-    /// permanent, retries_exhausted, ...) when it published the dead letter itself, else the
+    /// Why the message is here: the worker's annotation (`x-redeliver-dead-letter-reason`: a
+    /// `DeadLetterReason` name, permanent, retries_exhausted, ..., kept as written: a handler's
+    /// or a later version's name is shown too) when it published the dead letter itself, else the
     /// broker's reason in the relevant x-death entry (rejected, expired, maxlen,
     /// delivery_limit), else null.
     pub reason: Option<String>,
@@ -415,7 +416,10 @@ pub(crate) fn replay_headers(h: &FieldTable, reset_retry_state: bool) -> FieldTa
         let key = k.as_str();
         let broker = BROKER_HEADERS.contains(&key)
             || BROKER_HEADER_PREFIXES.iter().any(|p| key.starts_with(p));
-        let ours = reset_retry_state && key.starts_with(headers::PREFIX);
+        // `x-opt-redeliver-*`: a native retry's or dead letter's spelling of the same state.
+        let ours = reset_retry_state
+            && (key.starts_with(headers::PREFIX)
+                || headers::annotation_name(headers::PREFIX).is_some_and(|a| key.starts_with(&a)));
         if !broker && !ours {
             out.insert(k.clone(), v.clone());
         }

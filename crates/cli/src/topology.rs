@@ -277,7 +277,7 @@ pub(crate) async fn delete(
         } else {
             HeldMessages::Refuse
         };
-        match t.delay_config().delete_checked(conn, held).await {
+        match t.configured_delay().delete_checked(conn, held).await {
             Ok(gone) => discarded = gone.iter().map(QueueCount::new).collect(),
             Err(TopologyError::DelayNotEmpty {
                 non_empty,
@@ -431,7 +431,7 @@ async fn exchange_row(
 /// Every object, in the order a message meets them.
 pub(crate) async fn rows(conn: &Connection, a: &TopologyArgs) -> anyhow::Result<Vec<ObjectRow>> {
     let t = topology(a);
-    let cfg = t.delay_config().clone();
+    let cfg = t.configured_delay().clone();
     let mut rows = vec![
         queue_row(
             conn,
@@ -517,7 +517,7 @@ fn args_text(v: &Value) -> String {
 pub(crate) async fn show(conn: &Connection, a: &TopologyArgs, json: bool) -> anyhow::Result<()> {
     let rows = rows(conn, a).await?;
     let t = topology(a);
-    let cfg = t.delay_config();
+    let cfg = t.configured_delay();
     let bindings: Vec<(String, String, String)> = {
         let mut b = vec![
             (t.dlx_name(), t.dlq_name(), t.queue_name()),

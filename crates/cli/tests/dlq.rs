@@ -21,13 +21,14 @@ use declare::declare;
 use lapin::types::AMQPValue;
 use messages::*;
 use redeliver_amqp::headers;
+use redeliver_amqp::{DelayConfig, Topology};
+use redeliver_core::{HandlerError, RetryPolicy};
 use redeliver_testkit::{
     amqp_url, connect, drain, message_id, message_ids, ready_count as count, reject_all, wait_count,
 };
-use redeliver_worker::{
-    CancellationToken, Context, DelayConfig, HandlerError, Json, RetryPolicy, Topology, Worker,
-};
+use redeliver_worker::{Context, Json, Worker};
 use serde_json::{json, Value};
+use tokio_util::sync::CancellationToken;
 
 fn list_json(queue: &str, prefix: &str, extra: &[&str]) -> Value {
     let mut args = vec!["dlq", "list", queue, "--prefix", prefix, "--json"];
@@ -473,5 +474,81 @@ async fn replay_keeps_a_missing_message_id() {
         back[0].delivery.properties.content_type(),
         &None,
         "nothing filled in"
+    );
+}
+
+/// Native dead letters (RabbitMQ 4.3+: the queue's DLX moved them, the reason travels as
+/// `x-opt-redeliver-*`): listed with the worker's reason and error as annotated ones are, and a
+/// replay with the retry state reset gives the message its retries back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn native_dead_letters_are_listed_with_their_reason_and_replayed() {
+    let conn = connect().await;
+    let version = redeliver_testkit::broker_version().await;
+    let p = prefix();
+    let _cleanup = Cleanup::new(&p, &["native"]);
+    declare("native", &p, &[]);
+    let q = format!("{p}native");
+    let dlq = format!("{q}.dlq");
+    publish(&conn, &q, "n-1", &body(1), user_headers()).await;
+    let topology = Topology::new("native")
+        .prefix(p.clone())
+        .delay(DelayConfig::new().prefix(p.clone()).levels(LEVELS));
+    let token = CancellationToken::new();
+    let failing = Worker::builder(amqp_url())
+        .topology(topology.clone())
+        .retry_mode(redeliver_worker::RetryMode::Auto)
+        .policy(RetryPolicy::constant(Duration::from_millis(20)).max_retries(1))
+        .handler(|_m: Json<Value>, _c: Context| async move {
+            Err::<(), _>(HandlerError::transient("payment service down"))
+        })
+        .build()
+        .unwrap();
+    let running = tokio::spawn(failing.run(token.clone()));
+    wait_count(&conn, &dlq, 1, Duration::from_secs(30)).await;
+    token.cancel();
+    running.await.unwrap().unwrap();
+
+    let listed = list_json("native", &p, &[]);
+    let m = &listed.as_array().unwrap()[0];
+    assert_eq!(m["message_id"], "n-1", "{m}");
+    assert_eq!(m["attempts"], 1, "{m}");
+    assert!(
+        m["last_error"]
+            .as_str()
+            .unwrap()
+            .contains("payment service down"),
+        "{m}"
+    );
+    assert_eq!(m["death_reason"], "rejected", "{m}");
+    if version.holds_native_retries() {
+        // The worker's own reason, with no republish: the broker's DLX carried it.
+        assert_eq!(m["reason"], "retries_exhausted", "{m}");
+        assert!(
+            m["final_error"]
+                .as_str()
+                .unwrap()
+                .contains("payment service down"),
+            "{m}"
+        );
+        assert_eq!(m["dead_letter_attempts"], 2, "{m}");
+        let peek = cli(&["dlq", "peek", "native", "n-1", "--prefix", &p]).ok();
+        assert!(
+            peek.stdout.contains("x-opt-redeliver-dead-letter-reason"),
+            "{}",
+            peek.stdout
+        );
+    } else {
+        // Before 4.3 `auto` retried through the levels and rejected: the broker's reason.
+        assert_eq!(m["reason"], "rejected", "{m}");
+    }
+    let out = cli(&["dlq", "replay", "native", "--prefix", &p]).ok();
+    assert!(out.stdout.contains('1'), "{}", out.stdout);
+    assert_eq!(count(&conn, &dlq).await, 0);
+    let got = drain(&conn, &q).await;
+    assert_eq!(got.len(), 1);
+    let h = got[0].properties.headers().clone().unwrap_or_default();
+    assert!(
+        !h.inner().keys().any(|k| k.as_str().contains("redeliver-")),
+        "the retry state is reset: {h:?}"
     );
 }

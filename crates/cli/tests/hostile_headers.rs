@@ -12,14 +12,12 @@ mod cleanup;
 mod common;
 #[path = "common/declare.rs"]
 mod declare;
-#[path = "../../worker/tests/common/raw_publish.rs"]
-mod raw_publish;
 
 use cleanup::{cli, Cleanup};
 use common::*;
 use declare::declare;
 use redeliver_amqp::HEADERS_REMOVED;
-use redeliver_testkit::{amqp_url, connect, message_ids, ready_count as count};
+use redeliver_testkit::{amqp_url, connect, message_ids, raw_publish, ready_count as count};
 use serde_json::Value;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

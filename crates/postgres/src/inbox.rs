@@ -66,7 +66,8 @@ pub const NO_IDEMPOTENCY_KEY: &str = "no_idempotency_key";
 /// Worker::builder("amqp://127.0.0.1:5672/%2f")
 ///     .queue("payments")
 ///     .handler(inbox.handler(MarkPaid))
-///     .run_until_signal()
+///     .build()?
+///     .run(redeliver::shutdown_on_signal()?)
 ///     .await?;
 /// # Ok(()) }
 /// ```
@@ -223,6 +224,8 @@ impl Inbox {
     }
 
     /// Uses `schema`'s tables.
+    ///
+    /// Read it back with [`Self::configured_schema`].
     pub fn schema(mut self, schema: Schema) -> Self {
         self.schema = schema;
         self.ready = Arc::new(OnceCell::new());
@@ -272,7 +275,7 @@ impl Inbox {
     }
 
     /// Its schema.
-    pub fn schema_ref(&self) -> &Schema {
+    pub fn configured_schema(&self) -> &Schema {
         &self.schema
     }
 
@@ -333,7 +336,8 @@ impl Inbox {
     /// Worker::builder("amqp://127.0.0.1:5672/%2f")
     ///     .queue("records")
     ///     .handler(handler)
-    ///     .run_until_signal()
+    ///     .build()?
+    ///     .run(redeliver::shutdown_on_signal()?)
     ///     .await
     /// # }
     /// ```

@@ -56,7 +56,7 @@
 //!
 //! ```no_run
 //! use redeliver::postgres::{Inbox, Relay, Schema, TransactionalHandler, Tx};
-//! use redeliver::{CancellationToken, Context, HandlerError, Raw, Worker};
+//! use redeliver::{Context, HandlerError, Raw, Worker};
 //! use redeliver::postgres::sqlx;
 //!
 //! struct Record;
@@ -81,7 +81,9 @@
 //!     .await?;
 //! let inbox = Inbox::new(pool.clone(), "recorder");
 //! inbox.prepare().await?;
-//! let token = CancellationToken::new();
+//! // One token for the whole service: SIGTERM or SIGINT stops the cleanup, the relay and the
+//! // worker.
+//! let token = redeliver::shutdown_on_signal()?;
 //! inbox.spawn_cleanup(token.clone());
 //!
 //! // Publishes what handlers store with `Tx::publish`, after their commit; it connects to the
@@ -95,6 +97,7 @@
 //! Worker::builder("amqp://127.0.0.1:5672/%2f")
 //!     .queue("records")
 //!     .handler(inbox.handler(Record))
+//!     .build()?
 //!     .run(token)
 //!     .await?;
 //! # Ok(()) }
