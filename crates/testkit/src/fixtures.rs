@@ -131,7 +131,10 @@ pub fn tls() -> Result<Tls, String> {
 }
 
 /// Holds the machine-wide lock of the test fixtures while alive.
-struct Lock(#[allow(dead_code)] File);
+struct Lock {
+    /// Never read: held for its `Drop`, which closes the file and so releases the lock.
+    _held: File,
+}
 
 fn lock() -> Result<Lock, String> {
     let path = std::env::temp_dir().join("redeliver-test-fixtures.lock");
@@ -144,7 +147,7 @@ fn lock() -> Result<Lock, String> {
     // Released when the file closes, also when the process dies.
     file.lock()
         .map_err(|e| format!("lock {}: {e}", path.display()))?;
-    Ok(Lock(file))
+    Ok(Lock { _held: file })
 }
 
 /// `host` and `port` of an `amqp://` / `amqps://` / `http://` URL (credentials and path

@@ -7,9 +7,10 @@
 //! brings up ([`fixtures`]), so `cargo test` needs nothing run before it. Each test names its objects with a [`unique_prefix`], removes them
 //! through the management API ([`mgmt`], [`Cleanup`]) and waits for the broker with the polling
 //! helpers here, which all take an explicit timeout. The example programs under test come
-//! from [`examples`] and run under [`process`]; [`http`] reads health and metrics endpoints;
-//! [`reliability`] is the conservation harness of the reliability suite, [`nodes`] the extra
-//! broker nodes of its disruptive tests.
+//! from [`examples`] and run under [`process`]; [`http`] reads health and metrics endpoints,
+//! [`recorder`] the metrics recorded in the test's own process; [`raw_publish`] writes
+//! hostile messages on the wire by hand; [`reliability`] is the conservation harness of the
+//! reliability suite, [`nodes`] the extra broker nodes of its disruptive tests.
 
 // Lints: `[workspace.lints]` in Cargo.toml, but test support code panics, as the tests do: a
 // failed expectation is a failed test. Its types are internal and need no `Debug`.
@@ -41,6 +42,8 @@ pub mod mgmt;
 pub mod nodes;
 pub mod postgres;
 pub mod process;
+pub mod raw_publish;
+pub mod recorder;
 pub mod reliability;
 
 /// The broker the tests use when `AMQP_URL` is not set.
@@ -86,6 +89,23 @@ pub async fn connect_to(url: &str) -> Connection {
             redact(url)
         ),
     }
+}
+
+/// Connects to the broker at `url` as redeliver itself does ([`redeliver_amqp::connect`]: every
+/// frame read through the header-depth guard), without TLS: for a test that needs what that
+/// connection does and lapin's alone does not (`connection.blocked` on a dedicated node).
+///
+/// # Panics
+///
+/// When the broker cannot be reached.
+pub async fn connect_guarded(url: &str) -> Connection {
+    redeliver_amqp::connect(
+        url,
+        ConnectionProperties::default(),
+        &redeliver_amqp::TlsConfig::new(),
+    )
+    .await
+    .unwrap_or_else(|e| panic!("cannot connect to RabbitMQ at {}: {e}", redact(url)))
 }
 
 /// What the test broker at [`amqp_url`] announces in `connection.start` (product, version):
@@ -316,6 +336,15 @@ pub async fn eventually(timeout: Duration, mut f: impl FnMut() -> bool) -> bool 
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
+}
+
+/// Waits (polling every 20 ms, as [`eventually`]) until `pred` holds.
+///
+/// # Panics
+///
+/// When it does not within `within`, saying `what` was awaited.
+pub async fn wait_until(within: Duration, what: &str, pred: impl FnMut() -> bool) {
+    assert!(eventually(within, pred).await, "{what} (after {within:?})");
 }
 
 /// Polls `queue` with basic.get (manual ack, every 20 ms) until a message arrives, or `timeout`

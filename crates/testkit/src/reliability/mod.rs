@@ -24,12 +24,15 @@
 //! observing the broker and the workers' files), the [`Accounting`] of every id, and the
 //! [`WorkerCmd`] / [`WorkerProc`] worker processes, the inbox workers and the end of an inbox
 //! scenario ([`assert_inbox_end`]), and the outbox's end checks ([`assert_published`]). The extra broker nodes of the disruptive
-//! tests are [`crate::nodes`], the management API [`crate::mgmt`].
+//! tests are [`crate::nodes`], the management API [`crate::mgmt`]. The fault suite in native
+//! retry mode (`tests/native_*.rs`) adds [`native`]: the retry mode each broker gets, and when
+//! every retry ran against its earliest time.
 
 use std::path::Path;
 
 mod accounting;
 mod inbox;
+pub mod native;
 mod outbox;
 mod scenario;
 mod worker;

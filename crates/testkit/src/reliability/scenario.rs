@@ -86,6 +86,9 @@ pub struct Scenario {
     pub calls: PathBuf,
     /// Successes settled by each ack frame the workers wrote, one number per line.
     pub acked: PathBuf,
+    /// Handler calls with their times, for workers given `--runs` (the native fault tests:
+    /// [`super::native`]).
+    pub runs: PathBuf,
     /// The broker's product and version, as it announced them (`RabbitMQ 4.0.5`).
     pub broker: String,
     /// The harness's own connection and publisher; replaced by [`Scenario::reconnect`] after a
@@ -143,6 +146,7 @@ impl Scenario {
             record: dir.join("succeeded.txt"),
             calls: dir.join("calls.txt"),
             acked: dir.join("acked.txt"),
+            runs: dir.join("runs.txt"),
             broker,
             dir,
             prefix,
@@ -181,7 +185,7 @@ impl Scenario {
         if let Err(e) = self.topology.delete(&conn).await {
             eprintln!("cleanup of {}: {e}", self.prefix);
         }
-        if let Err(e) = self.topology.delay_config().delete(&conn).await {
+        if let Err(e) = self.topology.configured_delay().delete(&conn).await {
             eprintln!("cleanup of {} delay levels: {e}", self.prefix);
         }
         let _ = conn.close(200, "cleanup".into()).await;
@@ -209,7 +213,7 @@ impl Scenario {
 
     /// The scenario's delay infrastructure.
     pub fn delay(&self) -> &DelayConfig {
-        self.topology.delay_config()
+        self.topology.configured_delay()
     }
 
     /// The harness's current connection.
@@ -229,9 +233,16 @@ impl Scenario {
     /// Opens a new connection and publisher (after the broker dropped the old ones), retrying
     /// for up to `timeout`.
     pub async fn reconnect(&self, timeout: Duration) {
+        self.reconnect_to(&self.shape.url, timeout).await;
+    }
+
+    /// [`Self::reconnect`] through `url`, another node of the same cluster (when the node of
+    /// the scenario's URL is down); the topology's cleanup still connects through the
+    /// scenario's URL.
+    pub async fn reconnect_to(&self, url: &str, timeout: Duration) {
         let start = Instant::now();
         loop {
-            match Connection::connect(&self.shape.url, Default::default()).await {
+            match Connection::connect(url, Default::default()).await {
                 Ok(conn) => match Publisher::new(&conn, self.delay().clone()).await {
                     Ok(p) => {
                         *self.lock_link() = (Arc::new(conn), p);
@@ -242,7 +253,7 @@ impl Scenario {
                 Err(e) => assert!(
                     start.elapsed() < timeout,
                     "reconnect to {} within {timeout:?}: {e}",
-                    redact(&self.shape.url)
+                    redact(url)
                 ),
             }
             tokio::time::sleep(Duration::from_millis(200)).await;
@@ -453,6 +464,11 @@ impl Scenario {
                     .unwrap_or_else(|e| panic!("{}: bad line {l:?}: {e}", self.acked.display()))
             })
             .sum()
+    }
+
+    /// Handler calls with their times, from the runs file (workers given `--runs`).
+    pub fn runs(&self) -> Vec<super::native::Run> {
+        super::native::read_runs(&self.runs)
     }
 
     /// Handler calls (id, attempt, behaviour) from the calls file.

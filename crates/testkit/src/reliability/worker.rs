@@ -166,6 +166,19 @@ impl WorkerProc {
             .collect()
     }
 
+    /// The retry mode each session chose (`levels` or `native`), one per `consuming` line of
+    /// the events file (a worker that never consumed has none).
+    pub fn retry_modes(&self) -> Vec<String> {
+        read_lines(&self.events)
+            .into_iter()
+            .filter_map(|l| {
+                let mut it = l.split(' ').skip(1);
+                (it.next()? == "consuming").then_some(())?;
+                Some(it.nth(1).unwrap_or("-").to_owned())
+            })
+            .collect()
+    }
+
     /// The worker's own outage after `since` (unix ms): from the first moment it stopped
     /// consuming to the next moment it consumed again. `None` while it has not recovered (or
     /// never lost its connection).
