@@ -17,38 +17,23 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
-use lapin::{BasicProperties, Connection, ConnectionProperties};
+use lapin::BasicProperties;
+use redeliver_amqp::{DelayConfig, QueueType, Topology};
+use redeliver_core::{HandlerError, Jitter, RetryPolicy};
 use redeliver_testkit::nodes::Nodes;
 use redeliver_testkit::reliability::report;
-use redeliver_testkit::{queue_depth, unique_prefix};
-use redeliver_worker::{
-    CancellationToken, Context, DelayConfig, HandlerError, Jitter, QueueType, Raw, RetryPolicy,
-    TlsConfig, Topology, Worker,
-};
+use redeliver_testkit::{connect_guarded, queue_depth, unique_prefix, wait_until};
+use redeliver_worker::{Context, Raw, Worker};
+use tokio_util::sync::CancellationToken;
 
 const OK: usize = 200;
 const RETRY: usize = 20;
-
-async fn connect(url: &str) -> Connection {
-    redeliver_amqp::connect(url, ConnectionProperties::default(), &TlsConfig::new())
-        .await
-        .expect("connect to the dedicated node")
-}
-
-/// Waits until `pred` holds, polling; panics with `what` after `within`.
-async fn until(within: Duration, what: &str, mut pred: impl FnMut() -> bool) {
-    let start = Instant::now();
-    while !pred() {
-        assert!(start.elapsed() < within, "{what} (after {within:?})");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_memory_alarm_blocks_retries_but_never_the_acks() {
     let nodes = Nodes::start("rdalarm", 1, 5695, false).await;
     let url = nodes.amqp_url(1);
-    let conn = connect(&url).await;
+    let conn = connect_guarded(&url).await;
     let prefix = unique_prefix("alarm-", 8, "-");
     let delay = DelayConfig::new()
         .prefix(format!("{prefix}delay."))
@@ -121,17 +106,17 @@ async fn a_memory_alarm_blocks_retries_but_never_the_acks() {
 
     // While blocked: every successful delivery is handled and acked, no retry gets through,
     // and the worker says it is blocked.
-    let builder = worker(Arc::clone(&done));
-    let status = builder.status_handle();
+    let first = worker(Arc::clone(&done)).build().expect("build");
+    let status = first.status_handle();
     let token = CancellationToken::new();
-    let run = tokio::spawn(builder.run(token.clone()));
-    until(
+    let run = tokio::spawn(first.run(token.clone()));
+    wait_until(
         Duration::from_secs(60),
         "the successful deliveries while blocked",
         || finished("ok-", OK),
     )
     .await;
-    until(
+    wait_until(
         Duration::from_secs(30),
         "the worker reports it is blocked",
         || status.is_blocked(),
@@ -162,17 +147,17 @@ async fn a_memory_alarm_blocks_retries_but_never_the_acks() {
     nodes
         .rabbitmqctl(1, &["set_vm_memory_high_watermark", "0.4"])
         .await;
-    let builder = worker(Arc::clone(&done));
-    let status = builder.status_handle();
+    let second = worker(Arc::clone(&done)).build().expect("build");
+    let status = second.status_handle();
     let token = CancellationToken::new();
-    let run = tokio::spawn(builder.run(token.clone()));
-    until(
+    let run = tokio::spawn(second.run(token.clone()));
+    wait_until(
         Duration::from_secs(60),
         "the retries after the alarm",
         || finished("retry-", RETRY),
     )
     .await;
-    until(Duration::from_secs(10), "unblocked and ready", || {
+    wait_until(Duration::from_secs(10), "unblocked and ready", || {
         !status.is_blocked() && status.is_ready()
     })
     .await;

@@ -8,18 +8,22 @@
 mod common;
 #[path = "common/consuming.rs"]
 mod consuming;
+#[path = "common/fixture.rs"]
+mod fixture;
 
 use std::time::Duration;
 
 use common::*;
 use consuming::run_consuming;
+use fixture::fixture;
 use redeliver_amqp::headers;
+use redeliver_amqp::lapin::types::{AMQPValue, FieldTable};
+use redeliver_amqp::QueueType;
+use redeliver_core::{HandlerError, RetryPolicy};
 use redeliver_testkit::{amqp_url, ready_count};
-use redeliver_worker::lapin::types::{AMQPValue, FieldTable};
-use redeliver_worker::{
-    CancellationToken, Context, DeadLetterMode, HandlerError, Json, QueueType, RetryPolicy, Worker,
-};
+use redeliver_worker::{Context, DeadLetterMode, Json, Worker};
 use serde_json::Value;
+use tokio_util::sync::CancellationToken;
 
 #[derive(serde::Deserialize)]
 struct Job {
@@ -30,7 +34,7 @@ const LIMIT: u32 = 2;
 
 /// A message the broker dead-letters itself: returned by closed channels past the queue's
 /// delivery limit, before any worker runs.
-async fn poison_by_the_broker(conn: &redeliver_worker::lapin::Connection, queue: &str) {
+async fn poison_by_the_broker(conn: &redeliver_amqp::lapin::Connection, queue: &str) {
     for _ in 0..=LIMIT {
         let ch = conn.create_channel().await.unwrap();
         let got = redeliver_testkit::poll_get(&ch, queue, Duration::from_secs(5)).await;
@@ -39,7 +43,7 @@ async fn poison_by_the_broker(conn: &redeliver_worker::lapin::Connection, queue:
     }
 }
 
-fn user_props(id: &str) -> redeliver_worker::lapin::BasicProperties {
+fn user_props(id: &str) -> redeliver_amqp::lapin::BasicProperties {
     let mut h = FieldTable::default();
     h.insert("tenant".into(), AMQPValue::LongString("acme".into()));
     props(id)

@@ -8,19 +8,23 @@
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 mod common;
+#[path = "common/fixture.rs"]
+mod fixture;
 
 use std::time::{Duration, Instant};
 
 use common::*;
+use fixture::fixture;
 #[path = "common/consuming.rs"]
 mod consuming;
 
 use lapin::options::{ExchangeDeleteOptions, QueueDeleteOptions};
 use redeliver_amqp::headers;
+use redeliver_amqp::QueueType;
+use redeliver_core::HandlerError;
 use redeliver_testkit::{drain_queue, queue_depth, queue_exists, wait_count};
-use redeliver_worker::{
-    CancellationToken, Context, DeadLetterMode, HandlerError, QueueType, Raw, Worker,
-};
+use redeliver_worker::{Context, DeadLetterMode, Raw, Worker};
+use tokio_util::sync::CancellationToken;
 
 /// Whether exchange `name` exists (passive declare on a throwaway channel: a 404 closes it).
 async fn exchange_exists(conn: &lapin::Connection, name: &str) -> bool {

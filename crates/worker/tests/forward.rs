@@ -10,6 +10,8 @@
 mod common;
 #[path = "common/consuming.rs"]
 mod consuming;
+#[path = "common/fixture.rs"]
+mod fixture;
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
@@ -17,14 +19,15 @@ use std::time::Duration;
 
 use common::*;
 use consuming::run_consuming;
+use fixture::fixture;
 use redeliver_amqp::headers::{self, ForwardInfo, RetryState};
+use redeliver_amqp::lapin::options::QueueDeclareOptions;
+use redeliver_amqp::lapin::types::{AMQPValue, FieldTable};
+use redeliver_amqp::QueueType;
+use redeliver_core::{Classifier, Forward, Jitter, RetryPolicy, TimedOut};
 use redeliver_testkit::{drain, ready_count, wait_count};
-use redeliver_worker::lapin::options::QueueDeclareOptions;
-use redeliver_worker::lapin::types::{AMQPValue, FieldTable};
-use redeliver_worker::{
-    CancellationToken, Classifier, Context, Forward, Jitter, QueueType, Raw, RetryPolicy, TimedOut,
-    Worker, WorkerState,
-};
+use redeliver_worker::{Context, Raw, Worker, WorkerState};
+use tokio_util::sync::CancellationToken;
 
 const MESSAGES: usize = 3;
 
@@ -144,8 +147,9 @@ async fn the_worker_does_not_consume_until_its_forward_destination_exists() {
         .topology(topo.clone())
         .policy(forwarding(&later))
         .handler(|_: Raw, _: Context| async { Ok(()) });
-    let mut status = builder.status_handle();
-    let run = tokio::spawn(builder.run(token.clone()));
+    let worker = builder.build().expect("build");
+    let mut status = worker.status_handle();
+    let run = tokio::spawn(worker.run(token.clone()));
     // Several connection rounds: never consuming, never ready, still running.
     tokio::time::sleep(Duration::from_secs(2)).await;
     assert_eq!(status.state(), WorkerState::Connecting);

@@ -8,6 +8,8 @@
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 mod common;
+#[path = "common/fixture.rs"]
+mod fixture;
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -15,15 +17,17 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use common::*;
+use fixture::fixture;
 #[path = "common/consuming.rs"]
 mod consuming;
 
+use redeliver_amqp::QueueType;
+use redeliver_core::{Backoff, HandlerError, Jitter};
 use redeliver_testkit::{amqp_url, eventually};
-use redeliver_worker::{
-    Backoff, CancellationToken, Context, HandlerError, Jitter, QueueType, Raw, Worker, WorkerState,
-};
+use redeliver_worker::{Context, Raw, Worker, WorkerState};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
+use tokio_util::sync::CancellationToken;
 
 const N: usize = 100;
 const HEARTBEAT_SECS: u64 = 1;

@@ -3,6 +3,10 @@
 //! redeliver's own headers with the wrong AMQP types, a table of 5,000 headers, binary and
 //! invalid UTF-8 bodies. Each goes through a retry (the worker copies it to a delay level and
 //! back) and is then handled; nothing crashes, nothing reaches the DLQ, nothing is left behind.
+//!
+//! Both transports: AMQP 0-9-1 (a retry is a copy through a delay level) on every broker, and
+//! AMQP 1.0 on RabbitMQ 4.3+ (the quorum queue holds the retry itself: `modified` with a
+//! delivery time), where RabbitMQ maps each message to AMQP 1.0 and the worker maps it back.
 
 // Test code: a failed expectation panics, in test helpers as in tests (the workspace lints
 // forbid it in library code).
@@ -11,6 +15,10 @@
 mod common;
 #[path = "common/consuming.rs"]
 mod consuming;
+#[path = "common/fixture.rs"]
+mod fixture;
+#[path = "common/transport.rs"]
+mod transport;
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
@@ -18,13 +26,15 @@ use std::time::Duration;
 
 use common::*;
 use consuming::run_consuming;
+use fixture::fixture;
 use redeliver_amqp::headers;
+use redeliver_amqp::lapin::types::{AMQPValue, FieldArray, FieldTable};
+use redeliver_amqp::lapin::BasicProperties;
+use redeliver_amqp::QueueType;
+use redeliver_core::{HandlerError, Jitter, RetryPolicy};
 use redeliver_testkit::{amqp_url, ready_count};
-use redeliver_worker::lapin::types::{AMQPValue, FieldArray, FieldTable};
-use redeliver_worker::lapin::BasicProperties;
-use redeliver_worker::{
-    CancellationToken, Context, HandlerError, Jitter, QueueType, Raw, RetryPolicy, WorkerState,
-};
+use redeliver_worker::{Context, Raw, RetryMode, WorkerState};
+use tokio_util::sync::CancellationToken;
 
 const NASTY: &str = "\u{1b}[31m\u{202e}\u{0}\u{7}\r\n\u{2066}x";
 
@@ -83,6 +93,17 @@ fn hostile_messages() -> Vec<(Vec<u8>, BasicProperties)> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn hostile_but_well_formed_messages_are_retried_and_handled() {
+    retried_and_handled(RetryMode::Levels).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hostile_but_well_formed_messages_are_retried_natively_and_handled() {
+    if transport::native_or_skip("hostile messages, native").await {
+        retried_and_handled(RetryMode::Native).await;
+    }
+}
+
+async fn retried_and_handled(mode: RetryMode) {
     init_tracing();
     let (names, conn, topo, queue) =
         fixture("hostile", QueueType::Quorum, 1, QueueType::Classic).await;
@@ -92,24 +113,44 @@ async fn hostile_but_well_formed_messages_are_retried_and_handled() {
         .iter()
         .map(|(_, p)| p.message_id().as_ref().unwrap().to_string())
         .collect();
+    let sent: BTreeMap<String, (Vec<u8>, BasicProperties)> = messages
+        .iter()
+        .map(|(b, p)| {
+            let id = p.message_id().as_ref().unwrap().to_string();
+            (id, (b.clone(), p.clone()))
+        })
+        .collect();
     publish_all(&conn, &queue, messages).await;
 
     // message id -> the attempts the handler saw.
     let calls = Arc::new(Mutex::new(BTreeMap::<String, Vec<u32>>::new()));
     let seen = Arc::clone(&calls);
+    // message id -> the body and properties of each call.
+    let views = Arc::new(Mutex::new(
+        Vec::<(String, u32, Vec<u8>, BasicProperties)>::new(),
+    ));
+    let viewed = Arc::clone(&views);
     let token = CancellationToken::new();
     let builder = redeliver_worker::Worker::builder(amqp_url())
         .topology(topo.clone())
         .connection_name(format!("{}worker", names.prefix))
+        .retry_mode(mode)
         .policy(
             RetryPolicy::constant(Duration::from_millis(50))
                 .jitter(Jitter::None)
                 .max_retries(3),
         )
-        .handler(move |_body: Raw, ctx: Context| {
+        .handler(move |body: Raw, ctx: Context| {
             let seen = Arc::clone(&seen);
+            let viewed = Arc::clone(&viewed);
             async move {
                 let id = ctx.message_id().unwrap_or_default().to_owned();
+                viewed.lock().unwrap().push((
+                    id.clone(),
+                    ctx.attempt(),
+                    body.0,
+                    ctx.properties().clone(),
+                ));
                 seen.lock()
                     .unwrap()
                     .entry(id)
@@ -139,6 +180,35 @@ async fn hostile_but_well_formed_messages_are_retried_and_handled() {
         assert_eq!(seen.get(id), Some(&vec![0, 1]), "{id:?}: {seen:?}");
     }
     assert_eq!(seen.len(), ids.len(), "{seen:?}");
+    // Every call saw the body and the identity that was sent, on either transport and on the
+    // retry as on the first try.
+    for (id, attempt, body, p) in views.lock().unwrap().iter() {
+        let (sent_body, sent_props) = &sent[id];
+        assert_eq!(body, sent_body, "{id:?}: body");
+        assert_eq!(p.correlation_id(), sent_props.correlation_id(), "{id:?}");
+        assert_eq!(p.kind(), sent_props.kind(), "{id:?}: type");
+        assert_eq!(p.content_type(), sent_props.content_type(), "{id:?}");
+        let timestamp = match (mode, id.as_str()) {
+            // AMQP 1.0 keeps a creation time in milliseconds, an i64: RabbitMQ cannot carry
+            // u64::MAX seconds, and the worker reads what it sends as 0.
+            (RetryMode::Native, "ts-max") => Some(0),
+            _ => *sent_props.timestamp(),
+        };
+        assert_eq!(
+            *p.timestamp(),
+            timestamp,
+            "{id:?} attempt {attempt}: timestamp"
+        );
+        // A retry copy through a delay level carries no expiration (the level's own TTL holds
+        // it); a native retry is the same message, expiration included.
+        if *attempt == 0 || mode == RetryMode::Native {
+            assert_eq!(
+                p.expiration(),
+                sent_props.expiration(),
+                "{id:?} attempt {attempt}"
+            );
+        }
+    }
     assert_eq!(status.state(), WorkerState::Consuming);
     assert_eq!(ready_count(&conn, &queue).await, 0);
     assert_eq!(ready_count(&conn, &topo.dlq_name()).await, 0);

@@ -5,6 +5,8 @@
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 mod common;
+#[path = "common/fixture.rs"]
+mod fixture;
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -12,12 +14,13 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use common::*;
+use fixture::fixture;
+use redeliver_amqp::QueueType;
+use redeliver_core::{HandlerError, Jitter, RetryPolicy};
 use redeliver_testkit::mgmt::{await_listed_connection, force_close_connection};
 use redeliver_testkit::{amqp_url, connect, eventually, ready_count};
-use redeliver_worker::{
-    run_all, CancellationToken, Context, HandlerError, Jitter, Json, QueueType, Raw, RetryPolicy,
-    Worker, WorkerError, WorkerState,
-};
+use redeliver_worker::{run_all, Context, Json, Raw, Worker, WorkerError, WorkerState};
+use tokio_util::sync::CancellationToken;
 
 #[derive(serde::Deserialize)]
 struct Job {
@@ -54,8 +57,9 @@ async fn shutdown_mid_batch_finishes_in_flight_and_keeps_the_rest() {
                 Ok::<(), HandlerError>(())
             }
         });
-    let mut status = builder.status_handle();
-    let run = tokio::spawn(builder.run(token.clone()));
+    let worker = builder.build().expect("build");
+    let mut status = worker.status_handle();
+    let run = tokio::spawn(worker.run(token.clone()));
     status
         .wait_for_timeout(Duration::from_secs(30), |s| *s == WorkerState::Consuming)
         .await
@@ -120,8 +124,9 @@ async fn grace_period_over_returns_messages_to_the_queue() {
                 Ok::<(), HandlerError>(())
             }
         });
-    let mut status = builder.status_handle();
-    let run = tokio::spawn(builder.run(token.clone()));
+    let worker = builder.build().expect("build");
+    let mut status = worker.status_handle();
+    let run = tokio::spawn(worker.run(token.clone()));
     status
         .wait_for_timeout(Duration::from_secs(20), |s| *s == WorkerState::Consuming)
         .await
@@ -167,7 +172,7 @@ async fn connection_killed_by_the_broker_recovers_and_loses_nothing() {
         .topology(topo.clone())
         .connection_name(conn_name.clone())
         .reconnect_backoff(
-            redeliver_worker::Backoff::Exponential {
+            redeliver_core::Backoff::Exponential {
                 base: Duration::from_millis(100),
                 factor: 2.0,
                 cap: Duration::from_secs(2),
@@ -188,7 +193,8 @@ async fn connection_killed_by_the_broker_recovers_and_loses_nothing() {
                 Ok::<(), HandlerError>(())
             }
         });
-    let mut status = builder.status_handle();
+    let worker = builder.build().expect("build");
+    let mut status = worker.status_handle();
     let states: Arc<Mutex<Vec<WorkerState>>> = Default::default();
     let st = states.clone();
     let mut watcher = status.clone();
@@ -197,7 +203,7 @@ async fn connection_killed_by_the_broker_recovers_and_loses_nothing() {
             st.lock().unwrap().push(s);
         }
     });
-    let run = tokio::spawn(builder.run(token.clone()));
+    let run = tokio::spawn(worker.run(token.clone()));
     status
         .wait_for_timeout(Duration::from_secs(30), |s| *s == WorkerState::Consuming)
         .await
@@ -284,8 +290,9 @@ async fn consumer_cancelled_by_the_broker_redeclares_and_resumes() {
                     Ok::<(), HandlerError>(())
                 }
             });
-    let mut status = builder.status_handle();
-    let run = tokio::spawn(builder.run(token.clone()));
+    let worker = builder.build().expect("build");
+    let mut status = worker.status_handle();
+    let run = tokio::spawn(worker.run(token.clone()));
     status
         .wait_for_timeout(Duration::from_secs(20), |s| *s == WorkerState::Consuming)
         .await
@@ -326,6 +333,8 @@ async fn verify_only_fails_fast_on_missing_topology() {
             .topology(topo.clone())
             .verify_only(true)
             .handler(handler)
+            .build()
+            .expect("build")
             .run(CancellationToken::new()),
     )
     .await
@@ -340,8 +349,9 @@ async fn verify_only_fails_fast_on_missing_topology() {
         .topology(topo.clone())
         .verify_only(true)
         .handler(handler);
-    let mut status = builder.status_handle();
-    let run = tokio::spawn(builder.run(token.clone()));
+    let worker = builder.build().expect("build");
+    let mut status = worker.status_handle();
+    let run = tokio::spawn(worker.run(token.clone()));
     assert!(status
         .wait_for_timeout(Duration::from_secs(10), |s| *s == WorkerState::Consuming)
         .await
@@ -426,13 +436,14 @@ async fn unreachable_broker_keeps_retrying_until_cancelled() {
     let builder = Worker::builder("amqp://guest:guest@127.0.0.1:1/%2f")
         .queue("never")
         .reconnect_backoff(
-            redeliver_worker::Backoff::Constant(Duration::from_millis(50)),
+            redeliver_core::Backoff::Constant(Duration::from_millis(50)),
             Jitter::None,
         )
         .handler(|_m: Raw, _c: Context| async move { Ok::<(), HandlerError>(()) });
-    let status = builder.status_handle();
+    let worker = builder.build().expect("build");
+    let status = worker.status_handle();
     let token = CancellationToken::new();
-    let run = tokio::spawn(builder.run(token.clone()));
+    let run = tokio::spawn(worker.run(token.clone()));
     tokio::time::sleep(attempts_window).await;
     assert_eq!(status.state(), WorkerState::Connecting);
     assert!(!status.is_ready());
@@ -499,7 +510,7 @@ async fn failover_urls_are_tried_in_turn() {
         // Pauses of 5 s (after a lost connection, or after a whole round failed): consuming
         // sooner than that proves there was no pause between the dead URL and the live one.
         .reconnect_backoff(
-            redeliver_worker::Backoff::Exponential {
+            redeliver_core::Backoff::Exponential {
                 base: PAUSE,
                 factor: 2.0,
                 cap: Duration::from_secs(20),
@@ -513,10 +524,11 @@ async fn failover_urls_are_tried_in_turn() {
                 Ok::<(), HandlerError>(())
             }
         });
-    let mut status = builder.status_handle();
+    let worker = builder.build().expect("build");
+    let mut status = worker.status_handle();
     assert_eq!(status.broker(), None, "not connected yet");
     let started = Instant::now();
-    let run = tokio::spawn(builder.run(token.clone()));
+    let run = tokio::spawn(worker.run(token.clone()));
     status
         .wait_for_timeout(Duration::from_secs(10), |s| *s == WorkerState::Consuming)
         .await
@@ -608,8 +620,9 @@ async fn acks_skip_a_running_delivery_and_do_not_wait_for_it() {
                 Ok::<(), HandlerError>(())
             }
         });
-    let mut status = builder.status_handle();
-    let run = tokio::spawn(builder.run(token.clone()));
+    let worker = builder.build().expect("build");
+    let mut status = worker.status_handle();
+    let run = tokio::spawn(worker.run(token.clone()));
     status
         .wait_for_timeout(Duration::from_secs(30), |s| *s == WorkerState::Consuming)
         .await

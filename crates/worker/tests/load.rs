@@ -5,6 +5,8 @@
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 mod common;
+#[path = "common/fixture.rs"]
+mod fixture;
 
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -12,14 +14,15 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use common::*;
+use fixture::fixture;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
+use redeliver_amqp::QueueType;
+use redeliver_core::{HandlerError, Jitter, RetryPolicy};
 use redeliver_testkit::mgmt::{connection_unacked, prefix_stats, queue_stats, QueueStats};
 use redeliver_testkit::{amqp_url, connect, drain_queue, eventually, ready_count, Got};
-use redeliver_worker::{
-    CancellationToken, Context, HandlerError, Jitter, Json, QueueType, RetryPolicy, Worker,
-    WorkerState,
-};
+use redeliver_worker::{Context, Json, Worker, WorkerState};
+use tokio_util::sync::CancellationToken;
 
 #[derive(serde::Deserialize)]
 struct Job {
@@ -89,8 +92,9 @@ async fn two_thousand_messages_with_random_failures_are_conserved() {
                 }
             }
         });
-    let mut status = builder.status_handle();
-    let run = tokio::spawn(builder.run(token.clone()));
+    let worker = builder.build().expect("build");
+    let mut status = worker.status_handle();
+    let run = tokio::spawn(worker.run(token.clone()));
     status
         .wait_for_timeout(Duration::from_secs(20), |s| *s == WorkerState::Consuming)
         .await
@@ -176,10 +180,10 @@ async fn two_thousand_messages_with_random_failures_are_conserved() {
 
 /// Ready messages over all delay levels of `topo`, right now.
 async fn levels_ready_now(
-    conn: &redeliver_worker::lapin::Connection,
-    topo: &redeliver_worker::Topology,
+    conn: &redeliver_amqp::lapin::Connection,
+    topo: &redeliver_amqp::Topology,
 ) -> u32 {
-    let cfg = topo.delay_config();
+    let cfg = topo.configured_delay();
     let mut total = 0;
     for k in 0..cfg.configured_levels() {
         total += ready_count(conn, &cfg.level_name(k)).await;
@@ -207,15 +211,19 @@ async fn ten_thousand_delayed_messages_are_not_held_by_the_worker() {
         .connection_name(conn_name.clone())
         .prefetch(200)
         .concurrency(100)
-        .handler(move |_m: Json<serde_json::Value>, ctx: Context| {
+        .handler(move |_m: Json<serde_json::Value>, _ctx: Context| {
             let c = c.clone();
             async move {
                 c.fetch_add(1, Ordering::SeqCst);
-                Err(ctx.retry_after(Duration::from_secs(120), "not yet"))
+                Err(HandlerError::retry_after(
+                    Duration::from_secs(120),
+                    "not yet",
+                ))
             }
         });
-    let mut status = builder.status_handle();
-    let run = tokio::spawn(builder.run(token.clone()));
+    let worker = builder.build().expect("build");
+    let mut status = worker.status_handle();
+    let run = tokio::spawn(worker.run(token.clone()));
     status
         .wait_for_timeout(Duration::from_secs(20), |s| *s == WorkerState::Consuming)
         .await
@@ -244,7 +252,7 @@ async fn ten_thousand_delayed_messages_are_not_held_by_the_worker() {
 
     // The management API's counters lag (statistics interval): wait for a sample in which all
     // 10,000 are accounted for in the delay levels, then judge that same sample.
-    let level = topo.delay_config().level_name(13); // 120 s = 12000 ticks: highest bit 13
+    let level = topo.configured_delay().level_name(13); // 120 s = 12000 ticks: highest bit 13
     let mut sample = (QueueStats::default(), QueueStats::default(), 0);
     let ok = eventually(Duration::from_secs(30), || {
         let levels = prefix_stats(&format!("{}redeliver.delay.", names.prefix));

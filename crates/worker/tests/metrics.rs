@@ -1,139 +1,26 @@
-//! The metrics the worker emits, observed through a minimal in-memory recorder (own test binary:
-//! the recorder is process-global).
+//! The metrics the worker emits, observed through the testkit's in-memory recorder (own test
+//! binary: the recorder is process-global).
 
 // Test code: a failed expectation panics, in test helpers as in tests (the workspace lints
 // forbid it in library code).
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 mod common;
+#[path = "common/fixture.rs"]
+mod fixture;
 
-use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 use common::*;
-use metrics::{
-    Counter, CounterFn, Gauge, GaugeFn, Histogram, HistogramFn, Key, KeyName, Metadata, Recorder,
-    SharedString, Unit,
-};
+use fixture::fixture;
+use redeliver_amqp::QueueType;
+use redeliver_core::{HandlerError, Jitter, RetryPolicy};
 use redeliver_testkit::mgmt::{await_listed_connection, force_close_connection};
+use redeliver_testkit::recorder::recorder;
 use redeliver_testkit::{amqp_url, eventually};
 use redeliver_worker::metrics_names as m;
-use redeliver_worker::{
-    CancellationToken, Context, HandlerError, Jitter, Json, QueueType, RetryPolicy, Worker,
-    WorkerState,
-};
-
-#[derive(Default)]
-struct Cell {
-    count: AtomicU64,
-    gauge: Mutex<f64>,
-    samples: Mutex<Vec<f64>>,
-}
-
-impl CounterFn for Cell {
-    fn increment(&self, v: u64) {
-        self.count.fetch_add(v, Ordering::SeqCst);
-    }
-    fn absolute(&self, v: u64) {
-        self.count.fetch_max(v, Ordering::SeqCst);
-    }
-}
-
-impl GaugeFn for Cell {
-    fn increment(&self, v: f64) {
-        *self.gauge.lock().unwrap() += v;
-    }
-    fn decrement(&self, v: f64) {
-        *self.gauge.lock().unwrap() -= v;
-    }
-    fn set(&self, v: f64) {
-        *self.gauge.lock().unwrap() = v;
-    }
-}
-
-impl HistogramFn for Cell {
-    fn record(&self, v: f64) {
-        self.samples.lock().unwrap().push(v);
-    }
-}
-
-#[derive(Default)]
-struct TestRecorder {
-    cells: Mutex<HashMap<String, Arc<Cell>>>,
-}
-
-/// "name{a=1,b=2}" with labels sorted.
-fn render(key: &Key) -> String {
-    let mut labels: Vec<String> = key
-        .labels()
-        .map(|l| format!("{}={}", l.key(), l.value()))
-        .collect();
-    labels.sort();
-    format!("{}{{{}}}", key.name(), labels.join(","))
-}
-
-impl TestRecorder {
-    fn cell(&self, key: &Key) -> Arc<Cell> {
-        self.cells
-            .lock()
-            .unwrap()
-            .entry(render(key))
-            .or_default()
-            .clone()
-    }
-    fn get(&self, name: &str) -> Option<Arc<Cell>> {
-        self.cells.lock().unwrap().get(name).cloned()
-    }
-}
-
-impl Recorder for TestRecorder {
-    fn describe_counter(&self, _: KeyName, _: Option<Unit>, _: SharedString) {}
-    fn describe_gauge(&self, _: KeyName, _: Option<Unit>, _: SharedString) {}
-    fn describe_histogram(&self, _: KeyName, _: Option<Unit>, _: SharedString) {}
-    fn register_counter(&self, key: &Key, _: &Metadata<'_>) -> Counter {
-        Counter::from_arc(self.cell(key))
-    }
-    fn register_gauge(&self, key: &Key, _: &Metadata<'_>) -> Gauge {
-        Gauge::from_arc(self.cell(key))
-    }
-    fn register_histogram(&self, key: &Key, _: &Metadata<'_>) -> Histogram {
-        Histogram::from_arc(self.cell(key))
-    }
-}
-
-struct Shared(Arc<TestRecorder>);
-impl Recorder for Shared {
-    fn describe_counter(&self, k: KeyName, u: Option<Unit>, d: SharedString) {
-        self.0.describe_counter(k, u, d)
-    }
-    fn describe_gauge(&self, k: KeyName, u: Option<Unit>, d: SharedString) {
-        self.0.describe_gauge(k, u, d)
-    }
-    fn describe_histogram(&self, k: KeyName, u: Option<Unit>, d: SharedString) {
-        self.0.describe_histogram(k, u, d)
-    }
-    fn register_counter(&self, key: &Key, md: &Metadata<'_>) -> Counter {
-        self.0.register_counter(key, md)
-    }
-    fn register_gauge(&self, key: &Key, md: &Metadata<'_>) -> Gauge {
-        self.0.register_gauge(key, md)
-    }
-    fn register_histogram(&self, key: &Key, md: &Metadata<'_>) -> Histogram {
-        self.0.register_histogram(key, md)
-    }
-}
-
-fn recorder() -> Arc<TestRecorder> {
-    static R: OnceLock<Arc<TestRecorder>> = OnceLock::new();
-    R.get_or_init(|| {
-        let r = Arc::new(TestRecorder::default());
-        metrics::set_global_recorder(Shared(r.clone())).expect("no other recorder");
-        r
-    })
-    .clone()
-}
+use redeliver_worker::{Context, Json, Worker, WorkerState};
+use tokio_util::sync::CancellationToken;
 
 #[derive(serde::Deserialize)]
 struct Job {
@@ -165,18 +52,17 @@ async fn counters_match_what_happened() {
                 _ => Ok(()),
             }
         });
-    let mut status = builder.status_handle();
-    let run = tokio::spawn(builder.run(token.clone()));
+    let worker = builder.build().expect("build");
+    let mut status = worker.status_handle();
+    let run = tokio::spawn(worker.run(token.clone()));
     status
         .wait_for_timeout(Duration::from_secs(20), |s| *s == WorkerState::Consuming)
         .await
         .expect("consuming");
     let q = format!("queue={queue}");
     for (state, value) in [("consuming", 1.0), ("connecting", 0.0), ("draining", 0.0)] {
-        let gauge = rec
-            .get(&format!("{}{{{q},state={state}}}", m::CONNECTION_STATE))
-            .expect("state gauge");
-        assert_eq!(*gauge.gauge.lock().unwrap(), value, "{state}");
+        let gauge = rec.gauge(m::CONNECTION_STATE, &format!("{q},state={state}"));
+        assert_eq!(gauge, Some(value), "{state}");
     }
 
     publish_all(
@@ -190,52 +76,45 @@ async fn counters_match_what_happened() {
         ],
     )
     .await;
-    let count = |name: String| rec.get(&name).map_or(0, |c| c.count.load(Ordering::SeqCst));
-    let succeeded = format!("{}{{{q}}}", m::MESSAGES_SUCCEEDED);
-    assert!(eventually(Duration::from_secs(10), || count(succeeded.clone()) == 2).await);
+    let count = |name: &str, labels: &str| rec.counter(name, labels);
     assert!(
-        eventually(Duration::from_secs(5), || count(format!(
-            "{}{{{q},reason=undecodable}}",
-            m::MESSAGES_DEAD_LETTERED
-        )) == 1)
+        eventually(Duration::from_secs(10), || count(m::MESSAGES_SUCCEEDED, &q)
+            == 2)
+        .await
+    );
+    let undecodable = format!("{q},reason=undecodable");
+    assert!(
+        eventually(Duration::from_secs(5), || count(
+            m::MESSAGES_DEAD_LETTERED,
+            &undecodable
+        ) == 1)
         .await
     );
     tokio::time::sleep(Duration::from_millis(200)).await;
     assert_eq!(
-        count(format!("{}{{{q}}}", m::MESSAGES_RECEIVED)),
+        count(m::MESSAGES_RECEIVED, &q),
         5,
         "4 messages + 1 retry copy"
     );
+    assert_eq!(count(m::MESSAGES_RETRIED, &format!("attempt=1,{q}")), 1);
     assert_eq!(
-        count(format!("{}{{attempt=1,{q}}}", m::MESSAGES_RETRIED)),
+        count(m::MESSAGES_DEAD_LETTERED, &format!("{q},reason=permanent")),
         1
     );
+    assert_eq!(count(m::SETTLE_FAILURES, &q), 0);
     assert_eq!(
-        count(format!(
-            "{}{{{q},reason=permanent}}",
-            m::MESSAGES_DEAD_LETTERED
-        )),
-        1
-    );
-    assert_eq!(count(format!("{}{{{q}}}", m::SETTLE_FAILURES)), 0);
-    let durations = rec.get(&format!("{}{{{q}}}", m::HANDLER_DURATION)).unwrap();
-    assert_eq!(
-        durations.samples.lock().unwrap().len(),
+        rec.samples(m::HANDLER_DURATION, &q).len(),
         4,
         "one per handler call (not for the undecodable body)"
     );
-    let in_flight = rec
-        .get(&format!("{}{{{q}}}", m::HANDLERS_IN_FLIGHT))
-        .unwrap();
-    assert_eq!(*in_flight.gauge.lock().unwrap(), 0.0);
+    assert_eq!(rec.gauge(m::HANDLERS_IN_FLIGHT, &q), Some(0.0));
 
     // A lost connection counts as a reconnect once the worker consumes again.
-    let reconnects = format!("{}{{{q}}}", m::RECONNECTS);
-    assert_eq!(count(reconnects.clone()), 0);
+    assert_eq!(count(m::RECONNECTS, &q), 0);
     await_listed_connection(&conn_name).await;
     force_close_connection(&conn_name).await;
     assert!(
-        eventually(Duration::from_secs(20), || count(reconnects.clone()) == 1).await,
+        eventually(Duration::from_secs(20), || count(m::RECONNECTS, &q) == 1).await,
         "one reconnect counted"
     );
     status
@@ -243,14 +122,12 @@ async fn counters_match_what_happened() {
         .await
         .expect("consuming again");
     tokio::time::sleep(Duration::from_millis(100)).await;
-    assert_eq!(count(reconnects), 1);
+    assert_eq!(count(m::RECONNECTS, &q), 1);
 
     token.cancel();
     run.await.unwrap().unwrap();
     for (state, value) in [("stopped", 1.0), ("consuming", 0.0)] {
-        let gauge = rec
-            .get(&format!("{}{{{q},state={state}}}", m::CONNECTION_STATE))
-            .expect("state gauge");
-        assert_eq!(*gauge.gauge.lock().unwrap(), value, "{state}");
+        let gauge = rec.gauge(m::CONNECTION_STATE, &format!("{q},state={state}"));
+        assert_eq!(gauge, Some(value), "{state}");
     }
 }

@@ -8,20 +8,23 @@
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 mod common;
+#[path = "common/fixture.rs"]
+mod fixture;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use common::*;
+use fixture::fixture;
 #[path = "common/consuming.rs"]
 mod consuming;
 
+use redeliver_amqp::QueueType;
+use redeliver_core::{Classifier, HandlerError, Jitter, RetryPolicy};
 use redeliver_testkit::{eventually, ready_count};
-use redeliver_worker::{
-    CancellationToken, Classifier, Context, HandlerError, Jitter, QueueType, Raw, RetryPolicy,
-    Worker, WorkerState,
-};
+use redeliver_worker::{Context, Raw, Worker, WorkerState};
+use tokio_util::sync::CancellationToken;
 
 const N: usize = 20;
 

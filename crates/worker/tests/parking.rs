@@ -7,24 +7,30 @@
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 mod common;
+#[path = "common/fixture.rs"]
+mod fixture;
 
 use std::time::{Duration, Instant};
 
 use common::*;
+use fixture::fixture;
 #[path = "common/consuming.rs"]
 mod consuming;
 
 use lapin::options::QueueDeleteOptions;
 use redeliver_amqp::Publisher;
+use redeliver_amqp::QueueType;
+use redeliver_core::HandlerError;
 use redeliver_testkit::{queue_depth, queue_exists, wait_count};
-use redeliver_worker::{CancellationToken, Context, HandlerError, QueueType, Raw, Worker};
+use redeliver_worker::{Context, Raw, Worker};
+use tokio_util::sync::CancellationToken;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_deleted_parking_queue_is_declared_again_while_running() {
     init_tracing();
     let (_names, conn, topo, queue) =
         fixture("parking", QueueType::Classic, 4, QueueType::Classic).await;
-    let delay = topo.delay_config().clone();
+    let delay = topo.configured_delay().clone();
     let parking = delay.unroutable_name();
     let token = CancellationToken::new();
     let builder = Worker::builder(redeliver_testkit::amqp_url())

@@ -12,21 +12,25 @@
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 mod common;
+#[path = "common/fixture.rs"]
+mod fixture;
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::*;
+use fixture::fixture;
 #[path = "common/consuming.rs"]
 mod consuming;
 
+use redeliver_amqp::QueueType;
+use redeliver_core::{HandlerError, Jitter, RetryPolicy};
 use redeliver_testkit::mgmt::{await_listed_connection, force_close_connection};
 use redeliver_testkit::{eventually, ready_count, wait_count};
-use redeliver_worker::{
-    CancellationToken, Context, HandlerError, Jitter, QueueType, Raw, RetryPolicy, Worker,
-};
+use redeliver_worker::{Context, Raw, Worker};
 use tokio::net::{TcpListener, TcpStream};
+use tokio_util::sync::CancellationToken;
 
 const OK: usize = 20;
 

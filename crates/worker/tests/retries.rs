@@ -7,6 +7,8 @@
 mod common;
 #[path = "common/consuming.rs"]
 mod consuming;
+#[path = "common/fixture.rs"]
+mod fixture;
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -14,15 +16,16 @@ use std::time::{Duration, Instant};
 
 use common::*;
 use consuming::run_consuming;
+use fixture::fixture;
 use redeliver_amqp::headers;
+use redeliver_amqp::lapin::types::{AMQPValue, FieldTable};
+use redeliver_amqp::QueueType;
+use redeliver_core::{HandlerError, Jitter, RetryPolicy};
 use redeliver_testkit::{
     amqp_url, connect, drain_queue, eventually, ready_count, record, Calls, Got,
 };
-use redeliver_worker::lapin::types::{AMQPValue, FieldTable};
-use redeliver_worker::{
-    CancellationToken, Context, HandlerError, Jitter, Json, QueueType, Raw, RetryPolicy, Worker,
-    WorkerState,
-};
+use redeliver_worker::{Context, Json, Raw, Worker, WorkerState};
+use tokio_util::sync::CancellationToken;
 
 #[derive(serde::Deserialize)]
 struct Job {
@@ -63,11 +66,12 @@ async fn transient_twice_then_success() {
                 }
             }
         });
-    let mut status = builder.status_handle();
+    let worker = builder.build().expect("build");
+    let mut status = worker.status_handle();
     assert_eq!(status.state(), WorkerState::Starting);
     assert!(!status.is_ready());
     let token = CancellationToken::new();
-    let run = tokio::spawn(builder.run(token.clone()));
+    let run = tokio::spawn(worker.run(token.clone()));
     assert!(
         status
             .wait_for_timeout(Duration::from_secs(20), |s| *s == WorkerState::Consuming)
@@ -241,8 +245,9 @@ async fn permanent_and_malformed_go_straight_to_dlq() {
                 }
             }
         });
-    let mut status = builder.status_handle();
-    let run = tokio::spawn(builder.run(token.clone()));
+    let worker = builder.build().expect("build");
+    let mut status = worker.status_handle();
+    let run = tokio::spawn(worker.run(token.clone()));
     status
         .wait_for_timeout(Duration::from_secs(20), |s| *s == WorkerState::Consuming)
         .await
@@ -327,13 +332,17 @@ async fn panic_timeout_and_retry_after() {
                         tokio::time::sleep(Duration::from_secs(5)).await;
                         Ok(())
                     }
-                    2 => Err(ctx.retry_after(Duration::from_millis(500), "come back later")),
+                    2 => Err(HandlerError::retry_after(
+                        Duration::from_millis(500),
+                        "come back later",
+                    )),
                     _ => Ok(()),
                 }
             }
         });
-    let mut status = builder.status_handle();
-    let run = tokio::spawn(builder.run(token.clone()));
+    let worker = builder.build().expect("build");
+    let mut status = worker.status_handle();
+    let run = tokio::spawn(worker.run(token.clone()));
     status
         .wait_for_timeout(Duration::from_secs(20), |s| *s == WorkerState::Consuming)
         .await
@@ -414,7 +423,7 @@ async fn unconfirmable_and_too_large_retry_copies_end_in_the_dlq() {
 
     // A 20 ms delay is 2 ticks: the copy goes to level 1's exchange. With level 1's queue and
     // the parking exchange (the alternate exchange) gone, it routes nowhere and comes back.
-    let delay = topo.delay_config();
+    let delay = topo.configured_delay();
     let pct = redeliver_testkit::mgmt::pct;
     // Each object must exist: a 404 here would mean the test no longer tests anything.
     let delete = |path: String, what: &str| {
@@ -509,7 +518,7 @@ async fn retry_copies_keep_a_missing_message_id() {
             }
         });
     let (_status, run) = run_consuming(builder, &token).await;
-    let props = redeliver_worker::lapin::BasicProperties::default().with_delivery_mode(2);
+    let props = redeliver_amqp::lapin::BasicProperties::default().with_delivery_mode(2);
     publish_all(&conn, &queue, vec![(b"anonymous".to_vec(), props)]).await;
     assert!(
         eventually(Duration::from_secs(10), || seen.lock().unwrap().len() >= 3).await,

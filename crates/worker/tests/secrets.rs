@@ -18,7 +18,8 @@ use std::time::Duration;
 
 use proptest::prelude::*;
 use redeliver_amqp::url::{redact, BrokerUrl, UrlError};
-use redeliver_worker::{Context, HandlerError, Raw, Worker, WorkerBuilder};
+use redeliver_core::HandlerError;
+use redeliver_worker::{Context, Raw, Worker, WorkerBuilder};
 
 /// A password as `(whole, [first mark, last mark])`, its middle drawn from what URL parsers
 /// and list splitters trip on.
@@ -285,7 +286,7 @@ async fn tracing_output_never_shows_the_password() {
         .handler(handler())
         .build()
         .expect("a worker");
-    let token = redeliver_worker::CancellationToken::new();
+    let token = tokio_util::sync::CancellationToken::new();
     let run = tokio::spawn(worker.run(token.clone()));
     tokio::time::sleep(Duration::from_secs(3)).await;
     token.cancel();

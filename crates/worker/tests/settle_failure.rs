@@ -7,21 +7,25 @@
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 mod common;
+#[path = "common/fixture.rs"]
+mod fixture;
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 use common::*;
+use fixture::fixture;
 #[path = "common/consuming.rs"]
 mod consuming;
 
+use redeliver_amqp::QueueType;
+use redeliver_core::HandlerError;
 use redeliver_testkit::mgmt::{await_listed_connection, force_close_connection};
 use redeliver_testkit::{eventually, ready_count, wait_count};
-use redeliver_worker::{
-    CancellationToken, Context, HandlerError, QueueType, Raw, Worker, WorkerState,
-};
+use redeliver_worker::{Context, Raw, Worker, WorkerState};
 use tokio::sync::{mpsc, Notify};
+use tokio_util::sync::CancellationToken;
 
 const OTHERS: usize = 30;
 

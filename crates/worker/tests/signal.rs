@@ -1,4 +1,5 @@
-//! `run_until_signal`: SIGTERM stops the worker gracefully and it returns Ok (exit code 0).
+//! `shutdown_on_signal`: SIGTERM cancels its token, so a worker run with it stops gracefully and
+//! returns Ok (exit code 0).
 //! Its own test binary, because the signal goes to the whole process.
 
 // Test code: a failed expectation panics, in test helpers as in tests (the workspace lints
@@ -6,14 +7,19 @@
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 mod common;
+#[path = "common/fixture.rs"]
+mod fixture;
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 use common::*;
+use fixture::fixture;
+use redeliver_amqp::QueueType;
+use redeliver_core::HandlerError;
 use redeliver_testkit::{amqp_url, eventually, ready_count};
-use redeliver_worker::{Context, HandlerError, QueueType, Raw, Worker, WorkerState};
+use redeliver_worker::{shutdown_on_signal, Context, Raw, Worker, WorkerState};
 
 #[cfg(unix)]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -37,8 +43,10 @@ async fn sigterm_drains_and_returns_ok() {
                 Ok::<(), HandlerError>(())
             }
         });
-    let mut status = builder.status_handle();
-    let run = tokio::spawn(builder.run_until_signal());
+    let worker = builder.build().expect("build");
+    let mut status = worker.status_handle();
+    let token = shutdown_on_signal().expect("signal handlers");
+    let run = tokio::spawn(worker.run(token.clone()));
     status
         .wait_for_timeout(Duration::from_secs(20), |s| *s == WorkerState::Consuming)
         .await
@@ -67,6 +75,7 @@ async fn sigterm_drains_and_returns_ok() {
         .expect("stops")
         .unwrap();
     assert!(result.is_ok(), "{result:?}");
+    assert!(token.is_cancelled(), "the signal cancelled the token");
     assert_eq!(
         finished.load(Ordering::SeqCst),
         1,

@@ -14,15 +14,15 @@ use std::time::Duration;
 
 use common::*;
 use consuming::run_consuming;
+use redeliver_amqp::lapin::ConnectionProperties;
 use redeliver_amqp::ConnectError;
+use redeliver_amqp::{QueueType, TlsConfig};
+use redeliver_core::{HandlerError, RetryPolicy};
 use redeliver_testkit::mgmt::Client;
 use redeliver_testkit::{amqps_url, tls_broker, tls_file};
 use redeliver_testkit::{drain_queue, eventually, ready_count, record, Calls, Got};
-use redeliver_worker::lapin::ConnectionProperties;
-use redeliver_worker::{
-    CancellationToken, Context, HandlerError, Json, QueueType, RetryPolicy, TlsConfig, Worker,
-    WorkerState,
-};
+use redeliver_worker::{Context, Json, Worker, WorkerState};
+use tokio_util::sync::CancellationToken;
 
 #[derive(serde::Deserialize)]
 struct Job {
@@ -206,8 +206,9 @@ async fn wrong_ca_and_wrong_host_name_are_refused_clearly() {
         .tls(TlsConfig::new().ca_file(tls_file("other-ca.pem")))
         .topology(topo)
         .handler(|_job: Json<Job>, _ctx: Context| async { Ok::<(), HandlerError>(()) });
-    let status = builder.status_handle();
-    let run = tokio::spawn(builder.run(token.clone()));
+    let worker = builder.build().expect("build");
+    let status = worker.status_handle();
+    let run = tokio::spawn(worker.run(token.clone()));
     tokio::time::sleep(Duration::from_secs(3)).await;
     assert!(
         !run.is_finished(),

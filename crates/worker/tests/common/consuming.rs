@@ -13,13 +13,14 @@
 /// handle and its task. Panics when it does not consume within 20 s.
 pub async fn run_consuming(
     builder: redeliver_worker::WorkerBuilder,
-    token: &redeliver_worker::CancellationToken,
+    token: &tokio_util::sync::CancellationToken,
 ) -> (
     redeliver_worker::WorkerStatus,
     tokio::task::JoinHandle<Result<(), redeliver_worker::WorkerError>>,
 ) {
-    let mut status = builder.status_handle();
-    let run = tokio::spawn(builder.run(token.clone()));
+    let worker = builder.build().expect("build");
+    let mut status = worker.status_handle();
+    let run = tokio::spawn(worker.run(token.clone()));
     status
         .wait_for_timeout(std::time::Duration::from_secs(20), |s| {
             *s == redeliver_worker::WorkerState::Consuming

@@ -1,6 +1,7 @@
-//! Shared helpers for the worker's broker tests: unique names and their topologies,
-//! publishing, tracing. Connection, reading queues, the management API and polling come from
-//! `redeliver-testkit`.
+//! What every broker test of the worker uses: unique names and their topologies, publishing,
+//! tracing. The helpers only some tests use are files of their own in this directory, which
+//! those tests declare (`#[path = "common/fixture.rs"] mod fixture;`). Connection, reading
+//! queues, the management API and polling come from `redeliver-testkit`.
 
 // Test code: a failed expectation panics, in test helpers as in tests (the workspace lints
 // forbid it in library code); helpers are `pub` for the test files that include this module.
@@ -12,10 +13,10 @@
 )]
 
 use futures::future::join_all;
+use redeliver_amqp::lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
+use redeliver_amqp::lapin::{BasicProperties, Connection};
+use redeliver_amqp::{DelayConfig, QueueType, Topology};
 use redeliver_testkit::mgmt::delete_prefix;
-use redeliver_worker::lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
-use redeliver_worker::lapin::{BasicProperties, Connection};
-use redeliver_worker::{DelayConfig, QueueType, Topology};
 
 /// A unique prefix for every object of one test, and removal of all of them on drop (even when
 /// the test panics), through the management API.
@@ -109,21 +110,4 @@ pub fn init_tracing() {
         )
         .with_test_writer()
         .try_init();
-}
-
-/// The objects most tests start from: unique names (their objects are deleted when they drop, so
-/// keep the binding), a connection, and queue `q`'s topology with its own delay levels, and its
-/// full name.
-#[allow(dead_code)] // tls.rs declares on its own broker
-pub async fn fixture(
-    test: &str,
-    queue_type: QueueType,
-    levels: u8,
-    level_type: QueueType,
-) -> (Names, Connection, Topology, String) {
-    let names = Names::new(test);
-    let conn = redeliver_testkit::connect().await;
-    let topo = names.topology("q", queue_type, names.delay(levels, level_type));
-    let queue = topo.queue_name();
-    (names, conn, topo, queue)
 }
