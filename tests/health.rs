@@ -45,14 +45,15 @@ async fn readyz_is_503_while_the_broker_cannot_be_reached() {
         .queue("unreachable")
         .reconnect_backoff(Backoff::Constant(Duration::from_millis(200)), Jitter::None)
         .handler(|_m: Raw, _c: Context| async move { Ok::<(), HandlerError>(()) });
-    let mut status = builder.status_handle();
-    let (addr, http) = start_health(builder.status_handle()).await;
+    let worker = builder.build().expect("build");
+    let mut status = worker.status_handle();
+    let (addr, http) = start_health(worker.status_handle()).await;
 
     let body = wait_for_status(addr, "/readyz", 503, Duration::from_secs(2)).await;
     assert!(body.contains(r#""state":"starting""#), "{body}");
 
     let token = CancellationToken::new();
-    let worker = tokio::spawn(builder.run(token.clone()));
+    let worker = tokio::spawn(worker.run(token.clone()));
     status
         .wait_for_timeout(Duration::from_secs(5), |s| {
             *s == redeliver::WorkerState::Connecting
@@ -113,7 +114,8 @@ async fn readyz_follows_the_consumer_through_connection_loss_and_drain() {
                 Ok::<(), HandlerError>(())
             }
         });
-    let (addr, http) = start_health(builder.status_handle()).await;
+    let worker = builder.build().expect("build");
+    let (addr, http) = start_health(worker.status_handle()).await;
 
     // Before the worker runs: not ready.
     let (code, body) = http_get(addr, "/readyz").await;
@@ -122,7 +124,7 @@ async fn readyz_follows_the_consumer_through_connection_loss_and_drain() {
     assert_eq!(http_get(addr, "/livez").await.0, 200);
 
     let token = CancellationToken::new();
-    let worker = tokio::spawn(builder.run(token.clone()));
+    let worker = tokio::spawn(worker.run(token.clone()));
     let body = wait_for_status(addr, "/readyz", 200, Duration::from_secs(30)).await;
     assert!(body.contains(r#""state":"consuming""#), "{body}");
     assert!(body.contains(&queue), "{body}");

@@ -16,8 +16,8 @@ use redeliver::lapin::BasicProperties;
 use redeliver::worker::health::{self, Health};
 use redeliver::worker::metrics_names as m;
 use redeliver::{
-    CancellationToken, Context, DelayConfig, HandlerError, Json, Publisher, QueueType, RetryPolicy,
-    Topology, Worker,
+    CancellationToken, Context, DeadLetterReason, DelayConfig, HandlerError, Json, Publisher,
+    QueueType, RetryPolicy, Topology, Worker,
 };
 use redeliver_testkit::http::{get as http_get, parse_prometheus, sample};
 use redeliver_testkit::mgmt::{blocking as mgmt, leftovers};
@@ -69,10 +69,11 @@ async fn metrics_endpoint_counts_what_happened() {
                 }
             }
         });
-    let mut status = builder.status_handle();
+    let worker = builder.build().expect("build");
+    let mut status = worker.status_handle();
     let token = CancellationToken::new();
     let server = Health::new()
-        .worker(builder.status_handle())
+        .worker(worker.status_handle())
         .metrics(handle)
         .bind("127.0.0.1:0")
         .await
@@ -80,7 +81,7 @@ async fn metrics_endpoint_counts_what_happened() {
     let addr = server.local_addr();
     let http = server.spawn(token.clone());
     let worker_token = CancellationToken::new();
-    let worker = tokio::spawn(builder.run(worker_token.clone()));
+    let worker = tokio::spawn(worker.run(worker_token.clone()));
     status
         .wait_for_timeout(Duration::from_secs(30), |s| {
             *s == redeliver::WorkerState::Consuming
@@ -158,10 +159,11 @@ async fn metrics_endpoint_counts_what_happened() {
         "no retry beyond max_retries: {text}"
     );
     for (reason, count) in [
-        (m::REASON_RETRIES_EXHAUSTED, FAILING),
-        (m::REASON_PERMANENT, PERMANENT),
-        (m::REASON_UNDECODABLE, POISON),
+        (DeadLetterReason::RetriesExhausted { retries: 0 }, FAILING),
+        (DeadLetterReason::Permanent, PERMANENT),
+        (DeadLetterReason::Undecodable, POISON),
     ] {
+        let reason = reason.as_str();
         assert_eq!(
             get(
                 m::MESSAGES_DEAD_LETTERED,

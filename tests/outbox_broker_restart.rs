@@ -32,7 +32,7 @@ use redeliver_testkit::postgres::pool;
 use redeliver_testkit::reliability::{assert_published, report, wait_relayed, Scenario, Shape};
 
 /// Rows committed before the relay starts.
-const N: usize = 12000;
+const N: usize = 24000;
 /// Rows committed while the broker is down.
 const DURING: usize = 200;
 const BATCH: u32 = 100;
@@ -96,12 +96,11 @@ async fn a_broker_restart_mid_round_loses_no_outbox_row_and_the_relay_reconnects
             .await
             .expect("the relay never connected");
 
-        // Early in the run: `stop_app` takes a second or so to act, while the relay publishes
-        // thousands of rows a second.
+        // Early in the run: the relay publishes about ten thousand rows a second.
         let deadline = Instant::now() + Duration::from_secs(30);
         let before = loop {
             let (depth, _) = s.queue_state(&queue).await;
-            if depth as usize >= N / 12 {
+            if depth as usize >= N / 24 {
                 break depth;
             }
             assert!(
@@ -110,6 +109,18 @@ async fn a_broker_restart_mid_round_loses_no_outbox_row_and_the_relay_reconnects
             );
             tokio::time::sleep(Duration::from_millis(10)).await;
         };
+        // `stop_app` takes up to seconds to act, time enough, on a fast host, for the relay to
+        // publish every row. The memory alarm freezes the relay where it is first: its
+        // publishes are no longer read, so its round stays unconfirmed and its rows stay in the
+        // outbox until the stop cuts the round.
+        nodes
+            .rabbitmqctl(1, &["set_vm_memory_high_watermark", "0"])
+            .await;
+        let frozen = db.outbox_rows().await;
+        assert!(
+            frozen > 0,
+            "the relay published all {N} rows before the memory alarm froze it"
+        );
         let stop = Instant::now();
         nodes.rabbitmqctl(1, &["stop_app"]).await;
         let down = status
@@ -136,6 +147,11 @@ async fn a_broker_restart_mid_round_loses_no_outbox_row_and_the_relay_reconnects
              committed during it wait"
         );
         nodes.rabbitmqctl(1, &["start_app"]).await;
+        // The alarm's threshold is the node's runtime setting: cleared explicitly, whether or
+        // not the app's restart reset it.
+        nodes
+            .rabbitmqctl(1, &["set_vm_memory_high_watermark", "0.4"])
+            .await;
         let app_up = stop.elapsed();
         status
             .wait_for_timeout(Duration::from_secs(60), |st| *st == RelayState::Relaying)
@@ -148,7 +164,8 @@ async fn a_broker_restart_mid_round_loses_no_outbox_row_and_the_relay_reconnects
             status.state()
         );
         report(format!(
-            "outbox restart: stop_app with {before} of {N} rows in the queue; the relay left \
+            "outbox restart: the memory alarm with {before} of {N} rows in the queue and \
+             {frozen} in the outbox, then stop_app; the relay left \
              `relaying` ({down}) {noticed:?} after the stop, the app was up again after \
              {app_up:?}, the relay ready after {back:?}; {left_while_down} rows waited"
         ));
