@@ -69,6 +69,9 @@ pub enum Scenario {
     OutboxRefused,
     /// Jittered retry delays published exact against rounded to few delay-level hops.
     Hops,
+    /// Retries held by a RabbitMQ 4.3+ quorum queue (AMQP 1.0) against the delay levels, and
+    /// the happy path of both transports.
+    Native,
 }
 
 impl Scenario {
@@ -84,6 +87,7 @@ impl Scenario {
             Scenario::Outbox,
             Scenario::OutboxRefused,
             Scenario::Hops,
+            Scenario::Native,
         ]
     }
 
@@ -129,6 +133,22 @@ pub struct Sizes {
     pub outbox_backlog: u64,
     /// Scenario 10: messages that fail 7 times each with a jittered policy.
     pub hops: u64,
+    /// Scenario 10's policy (exponential from 100 ms, cap 6 s) is divided by this: `--short`
+    /// waits a fifth as long, with smaller tick counts than the realistic ones.
+    pub hops_time_divisor: u32,
+    /// The memory scenarios (6 and park): how long a child settles before its RSS is sampled,
+    /// and how many samples (the largest counts), `rss_sample` apart.
+    pub rss_settle: Duration,
+    pub rss_samples: u32,
+    pub rss_sample: Duration,
+    /// Scenario 11: messages that fail once each (delays 0-1 s), per side and round.
+    pub native_retry: u64,
+    /// Scenario 11: messages that fail once each, published at `native_paced_rate` while the
+    /// consumer runs (below what every side drains): the delay error without a backlog.
+    pub native_paced: u64,
+    pub native_paced_rate: u64,
+    /// Scenario 11: backlog drained by the worker in each retry mode (happy path).
+    pub native_happy: u64,
 }
 
 impl Sizes {
@@ -153,6 +173,14 @@ impl Sizes {
             outbox_latency: 3_000,
             outbox_backlog: 20_000,
             hops: 2_000,
+            hops_time_divisor: 1,
+            rss_settle: Duration::from_secs(2),
+            rss_samples: 8,
+            rss_sample: Duration::from_millis(250),
+            native_retry: 20_000,
+            native_paced: 4_000,
+            native_paced_rate: 800,
+            native_happy: 100_000,
         }
     }
 
@@ -174,6 +202,16 @@ impl Sizes {
             outbox_latency: 500,
             outbox_backlog: 1_000,
             hops: 200,
+            hops_time_divisor: 5,
+            rss_settle: Duration::from_millis(500),
+            rss_samples: 4,
+            rss_sample: Duration::from_millis(100),
+            // Scenario 11 runs three consumers per round (each in a child process): kept small so
+            // the bench test stays a smoke test of a few seconds per broker.
+            native_retry: 200,
+            native_paced: 100,
+            native_paced_rate: 200,
+            native_happy: 1_000,
         }
     }
 }

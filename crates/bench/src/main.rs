@@ -31,6 +31,9 @@ use clap::{Parser, Subcommand};
 
 use crate::config::{Scenario, DEFAULT_DATABASE_URL, DEFAULT_URL};
 
+/// A log filter for the consumer children (diagnosis only: a subscriber costs CPU per message).
+const CHILD_LOG_ENV: &str = "REDELIVER_BENCH_CHILD_LOG";
+
 #[derive(Parser, Debug)]
 #[command(
     name = "redeliver-bench",
@@ -110,8 +113,20 @@ fn main() -> Result<()> {
             // any, tracing's `log` feature (turned on for the whole build by sqlx, which the
             // inbox scenario links) sends every span of lapin and the worker down its fallback
             // to the `log` crate: ~400 instructions per message that no deployed worker spends.
-            tracing::subscriber::set_global_default(tracing::subscriber::NoSubscriber::default())
-                .context("setting the consumer child's tracing subscriber")?;
+            // REDELIVER_BENCH_CHILD_LOG=<filter> (e.g. `redeliver_worker=info`) logs to stderr
+            // instead, to see why a run misbehaves: never for the figures.
+            match std::env::var(CHILD_LOG_ENV).ok().filter(|f| !f.is_empty()) {
+                Some(filter) => tracing_subscriber::fmt()
+                    .with_env_filter(tracing_subscriber::EnvFilter::new(filter))
+                    .with_writer(std::io::stderr)
+                    .try_init()
+                    .map_err(|e| anyhow::anyhow!("{e}"))
+                    .context("setting the consumer child's log subscriber")?,
+                None => tracing::subscriber::set_global_default(
+                    tracing::subscriber::NoSubscriber::default(),
+                )
+                .context("setting the consumer child's tracing subscriber")?,
+            }
             rt.block_on(child::main(cli.url, cli.database_url, args))
         }
         None => {

@@ -283,6 +283,9 @@ pub struct Report {
     pub outbox: Vec<OutboxRow>,
     pub outbox_refused: Vec<OutboxRefusedRow>,
     pub hops: Vec<crate::scenarios::HopsRow>,
+    pub native: Vec<crate::scenarios::NativeRow>,
+    /// Why scenario 11 ran only its levels sides (a broker before 4.3).
+    pub native_note: Option<String>,
     pub targets: Vec<Target>,
     pub errors: Vec<String>,
 }
@@ -413,6 +416,9 @@ impl Report {
         }
         if !self.hops.is_empty() {
             crate::scenarios::render_hops(&self.hops, &mut s);
+        }
+        if !self.native.is_empty() {
+            crate::scenarios::render_native(&self.native, self.native_note.as_deref(), &mut s);
         }
         if !self.scale.is_empty() {
             self.render_scale(&mut s);

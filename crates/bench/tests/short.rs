@@ -48,6 +48,8 @@ fn short_mode_completes_and_prints_the_tables() {
         "| **median of 2** | refused |",
         "| 1 % refused | 2 |",
         "| outbox relay, 1 % of rows refused: good rows/s |",
+        "#### Native retries (scenario 11)",
+        "| retry | worker, Levels (AMQP 0-9-1) | 2 |",
         "#### Targets",
         "| inbox (an INSERT per message, exactly once): msg/s |",
         "| conclusive |",

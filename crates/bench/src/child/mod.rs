@@ -111,6 +111,47 @@ pub struct ChildArgs {
     /// database.
     #[arg(long)]
     pub pg_schema: Option<String>,
+    /// Scenario 11 (native): the worker's `RetryMode` (unset: the worker's default, `Levels`).
+    #[arg(long, value_enum)]
+    pub retry_mode: Option<ChildRetryMode>,
+    /// Scenario 11 (native): the policy (exponential from 1 s, cap 60 s, full jitter);
+    /// a message with `retry_ms` fails its first delivery with a transient error (the raw side
+    /// draws the same policy's delay and rounds it as the worker does), and its retry records
+    /// (retry - first failure) - the delay the retry says it was scheduled with. Needs
+    /// `--track-delay`.
+    #[arg(long)]
+    pub jittered: bool,
+    /// Scenario 11: count a message handled successfully twice as a duplicate, not as done.
+    #[arg(long)]
+    pub dedup: bool,
+}
+
+/// The worker's retry mode in a child of scenario 11.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum, Serialize, Deserialize)]
+pub enum ChildRetryMode {
+    /// Retries as confirmed copies through the delay levels (AMQP 0-9-1 consumer).
+    Levels,
+    /// Retries held by the quorum queue itself (AMQP 1.0 consumer, RabbitMQ 4.3+).
+    Native,
+}
+
+impl ChildRetryMode {
+    pub fn worker(self) -> redeliver_worker::RetryMode {
+        match self {
+            ChildRetryMode::Levels => redeliver_worker::RetryMode::Levels,
+            ChildRetryMode::Native => redeliver_worker::RetryMode::Native,
+        }
+    }
+}
+
+/// Scenario 11's policy, the same for the worker and the raw consumer: the issue's
+/// (exponential from 1 s, doubling, cap 60 s, full jitter). One retry per message, so every
+/// delay is drawn from 0-1 s.
+pub fn jittered_policy() -> redeliver_core::RetryPolicy {
+    redeliver_core::RetryPolicy::exponential(Duration::from_secs(1))
+        .cap(Duration::from_secs(60))
+        .jitter(redeliver_core::Jitter::Full)
+        .max_retries(3)
 }
 
 impl ChildArgs {
@@ -138,6 +179,16 @@ impl ChildArgs {
         if let Some(schema) = &self.pg_schema {
             v.push("--pg-schema".into());
             v.push(schema.clone());
+        }
+        if let Some(mode) = self.retry_mode {
+            v.push("--retry-mode".into());
+            v.push(enum_name(mode));
+        }
+        if self.jittered {
+            v.push("--jittered".into());
+        }
+        if self.dedup {
+            v.push("--dedup".into());
         }
         v
     }
@@ -194,7 +245,7 @@ fn say_stat(probe: &Probe) -> Result<()> {
 }
 
 pub async fn main(url: String, database_url: String, args: ChildArgs) -> Result<()> {
-    let probe = Arc::new(Probe::new(args.track_delay));
+    let probe = Arc::new(Probe::new(args.track_delay, args.dedup));
     let cancel = CancellationToken::new();
     // The raw side connects here; the redeliver worker opens its own connection (it owns its
     // reconnect loop) when the first RUN starts it.

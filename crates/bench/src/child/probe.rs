@@ -1,7 +1,7 @@
 //! What both consumers call for every delivery: counts, latency histogram, delay errors.
 //! One mutex, taken once per message on both sides, so it costs them the same.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
@@ -51,6 +51,14 @@ pub struct RunReport {
     pub lat_max_us: u64,
     /// Scenario 3: (intended delay ms, observed minus intended, microseconds).
     pub delay_errors: Vec<(u32, i64)>,
+    /// Scenario 11, native retries: handler start minus the `x-redeliver-not-before` time the
+    /// worker put on the retry (Unix ms), microseconds.
+    #[serde(default)]
+    pub not_before_errors: Vec<i64>,
+    /// Scenario 11: retries handled whose message had already completed its retry in this
+    /// process (no first failure left to pair with): handled twice. Not counted in `ok`.
+    #[serde(default)]
+    pub duplicates: u64,
     /// CPU time the consumer process used from the first delivery handled to the report,
     /// microseconds: the same window as the drain rate.
     pub cpu_us: u64,
@@ -94,12 +102,19 @@ struct Inner {
     held_rss_kb: u64,
     hist: Histogram,
     first_fail: HashMap<u64, Instant>,
+    /// `dedup`: every message handled successfully in this process, by `seq`.
+    seen: HashSet<u64>,
     delay_errors: Vec<(u32, i64)>,
+    not_before_errors: Vec<i64>,
+    duplicates: u64,
     done: Option<oneshot::Sender<u64>>,
 }
 
 pub struct Probe {
     track_delay: bool,
+    /// Scenario 11: a message handled successfully a second time is counted as a duplicate,
+    /// not in `ok` (a consumer session lost with deliveries unsettled gets them again).
+    dedup: bool,
     inner: Mutex<Inner>,
     /// A `RUN hold` is waiting for its deliveries to pile up (checked by every delivery, on both
     /// sides alike: one relaxed load).
@@ -108,9 +123,10 @@ pub struct Probe {
 }
 
 impl Probe {
-    pub fn new(track_delay: bool) -> Self {
+    pub fn new(track_delay: bool, dedup: bool) -> Self {
         Probe {
             track_delay,
+            dedup,
             inner: Mutex::new(Inner {
                 kind: Kind::Ok,
                 target: u64::MAX,
@@ -125,7 +141,10 @@ impl Probe {
                 held_rss_kb: 0,
                 hist: Histogram::default(),
                 first_fail: HashMap::new(),
+                seen: HashSet::new(),
                 delay_errors: Vec::new(),
+                not_before_errors: Vec::new(),
+                duplicates: 0,
                 done: None,
             }),
             holding: AtomicBool::new(false),
@@ -155,6 +174,8 @@ impl Probe {
         g.held_rss_kb = 0;
         g.hist = Histogram::default();
         g.delay_errors.clear();
+        g.not_before_errors.clear();
+        g.duplicates = 0;
         g.done = Some(tx);
         let hold = kind == Kind::Hold;
         drop(g);
@@ -219,12 +240,45 @@ impl Probe {
     pub fn on_ok(&self, p: &PayloadIn) {
         let now = now_ns();
         let mut g = self.lock();
+        if self.dedup && !g.seen.insert(p.seq) {
+            g.duplicates += 1;
+            return;
+        }
         g.hist.record(now.saturating_sub(p.ts_ns) / 1000);
         if self.track_delay {
             if let (Some(ms), Some(t0)) = (p.retry_ms, g.first_fail.remove(&p.seq)) {
                 let err_us = t0.elapsed().as_micros() as i64 - i64::from(ms) * 1000;
                 g.delay_errors.push((ms, err_us));
             }
+        }
+        Self::event(&mut g, now);
+        g.ok += 1;
+        if matches!(g.kind, Kind::Ok | Kind::Hold) && g.ok == g.target {
+            if let Some(tx) = g.done.take() {
+                let _ = tx.send(now);
+            }
+        }
+    }
+
+    /// Scenario 11: a retry handled successfully, which says it was scheduled with `asked` (and,
+    /// a native retry, not before `not_before_ms`, Unix ms). Records (now - first failure) -
+    /// `asked` as [`Self::on_ok`] records it with the delay from the body.
+    pub fn on_retry_ok(&self, p: &PayloadIn, asked: Duration, not_before_ms: Option<u64>) {
+        let now = now_ns();
+        let mut g = self.lock();
+        g.hist.record(now.saturating_sub(p.ts_ns) / 1000);
+        let Some(t0) = g.first_fail.remove(&p.seq) else {
+            // Its retry ran before: a second delivery of a completed message.
+            g.duplicates += 1;
+            return;
+        };
+        let err_us = t0.elapsed().as_micros() as i64 - asked.as_micros() as i64;
+        let ms = u32::try_from(asked.as_millis()).unwrap_or(u32::MAX);
+        g.delay_errors.push((ms, err_us));
+        if let Some(nb) = not_before_ms {
+            let now_us = i64::try_from(now / 1000).unwrap_or(i64::MAX);
+            let nb_us = i64::try_from(nb.saturating_mul(1000)).unwrap_or(i64::MAX);
+            g.not_before_errors.push(now_us - nb_us);
         }
         Self::event(&mut g, now);
         g.ok += 1;
@@ -267,6 +321,8 @@ impl Probe {
             lat_p99_us: g.hist.percentile(0.99),
             lat_max_us: g.hist.max(),
             delay_errors: g.delay_errors.clone(),
+            not_before_errors: g.not_before_errors.clone(),
+            duplicates: g.duplicates,
             cpu_us: stats::cpu_us().saturating_sub(g.cpu0_us),
             setup_cpu_us: g.cpu0_us.saturating_sub(g.run_cpu0_us),
             baseline_rss_kb,

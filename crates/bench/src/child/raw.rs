@@ -26,6 +26,8 @@ use crate::payload::PayloadIn;
 
 /// The raw consumer's own retry counter (it does not use redeliver's header codec).
 const ATTEMPT: &str = "x-bench-attempt";
+/// Scenario 11: the delay the raw consumer published its retry copy with, ms.
+const DELAY_MS: &str = "x-bench-delay-ms";
 
 pub async fn start(
     conn: Connection,
@@ -54,6 +56,9 @@ pub async fn start(
         .await
         .with_context(|| format!("basic.consume on '{queue}'"))?;
 
+    // Scenario 11: the worker's policy, drawn and rounded the same way (`round_jittered`: the
+    // same delay levels, so the same hops per retry).
+    let jittered = args.jittered.then(super::jittered_policy);
     let batch = if args.side == Side::RawBatch {
         RAW_ACK_BATCH
     } else {
@@ -96,6 +101,31 @@ pub async fn start(
                 }
             };
             match p.retry_ms {
+                Some(_) if jittered.is_some() && attempt(&d.properties) == 0 => {
+                    probe.on_fail(&p);
+                    let drawn = jittered.as_ref().map(|j| j.delay_for(0, None));
+                    let asked = delay.round_jittered(drawn.unwrap_or_default());
+                    let route = delay.route(&queue, asked).context("delay route")?;
+                    tokio::spawn(republish(
+                        pub_ch.clone(),
+                        route.exchange,
+                        route.routing_key,
+                        d,
+                        Some(asked),
+                    ));
+                }
+                Some(_) if jittered.is_some() => {
+                    let asked = header_u64(&d.properties, DELAY_MS).unwrap_or(0);
+                    probe.on_retry_ok(&p, Duration::from_millis(asked), None);
+                    if !d
+                        .acker
+                        .ack(BasicAckOptions::default())
+                        .await
+                        .context("basic.ack")?
+                    {
+                        bail!("ack refused: the channel died");
+                    }
+                }
                 Some(ms) if attempt(&d.properties) == 0 => {
                     probe.on_fail(&p);
                     let route = delay
@@ -108,6 +138,7 @@ pub async fn start(
                         route.exchange,
                         route.routing_key,
                         d,
+                        None,
                     ));
                 }
                 _ if probe.holding() => {
@@ -164,14 +195,16 @@ async fn ack_multiple(acker: &lapin::Acker) -> Result<()> {
 }
 
 fn attempt(props: &lapin::BasicProperties) -> u32 {
-    match props
-        .headers()
-        .as_ref()
-        .and_then(|h| h.inner().get(ATTEMPT))
-    {
-        Some(AMQPValue::LongLongInt(n)) => u32::try_from(*n).unwrap_or(0),
-        Some(AMQPValue::LongInt(n)) => u32::try_from(*n).unwrap_or(0),
-        _ => 0,
+    header_u64(props, ATTEMPT)
+        .and_then(|n| u32::try_from(n).ok())
+        .unwrap_or(0)
+}
+
+fn header_u64(props: &lapin::BasicProperties, name: &str) -> Option<u64> {
+    match props.headers().as_ref().and_then(|h| h.inner().get(name)) {
+        Some(AMQPValue::LongLongInt(n)) => u64::try_from(*n).ok(),
+        Some(AMQPValue::LongInt(n)) => u64::try_from(*n).ok(),
+        _ => None,
     }
 }
 
@@ -180,9 +213,14 @@ async fn republish(
     exchange: String,
     routing_key: String,
     d: lapin::message::Delivery,
+    delay: Option<Duration>,
 ) {
     let mut headers = d.properties.headers().clone().unwrap_or_default();
     headers.insert(ATTEMPT.into(), AMQPValue::LongLongInt(1));
+    if let Some(delay) = delay {
+        let ms = i64::try_from(delay.as_millis()).unwrap_or(i64::MAX);
+        headers.insert(DELAY_MS.into(), AMQPValue::LongLongInt(ms));
+    }
     let props = d.properties.clone().with_headers(headers);
     let confirmed = async {
         let confirm = ch

@@ -20,20 +20,29 @@ fn builder(url: &str, args: &ChildArgs) -> WorkerBuilder {
     let delay = delay_config(&args.prefix, args.delay_levels);
     // Scenario 2's failures go through the policy (a transient error, constant 10 ms backoff);
     // scenarios 3 and 4 ask for an exact delay with `retry_after`.
-    let policy = RetryPolicy::constant(RETRY_DELAY)
-        .jitter(Jitter::None)
-        .max_retries(3);
+    // Scenario 11 uses the jittered policy instead.
+    let policy = if args.jittered {
+        super::jittered_policy()
+    } else {
+        RetryPolicy::constant(RETRY_DELAY)
+            .jitter(Jitter::None)
+            .max_retries(3)
+    };
     // The same topology the parent declared for this queue.
     let topology = Topology::new(args.queue.clone())
         .prefix(args.prefix.clone())
         .queue_type(args.queue_type.amqp())
         .delay(delay);
-    Worker::builder(url)
+    let builder = Worker::builder(url)
         .tls(crate::broker::tls_from_env())
         .topology(topology)
         .policy(policy)
         .prefetch(args.prefetch)
-        .concurrency(args.concurrency)
+        .concurrency(args.concurrency);
+    match args.retry_mode {
+        Some(mode) => builder.retry_mode(mode.worker()),
+        None => builder,
+    }
 }
 
 pub async fn start(
@@ -42,17 +51,30 @@ pub async fn start(
     probe: Arc<Probe>,
     cancel: CancellationToken,
 ) -> Result<JoinHandle<Result<()>>> {
+    let jittered = args.jittered;
     let builder = builder(url, args).handler(move |msg: Json<PayloadIn>, ctx: Context| {
         let probe = probe.clone();
         async move {
             match msg.retry_ms {
+                // Scenario 11: the policy draws the delay; the retry says which it was.
+                Some(_) if jittered => {
+                    if ctx.attempt() == 0 {
+                        probe.on_fail(&msg);
+                        return Err(HandlerError::transient("bench: fails once"));
+                    }
+                    let state = redeliver_amqp::headers::RetryState::read(ctx.headers());
+                    let asked = ctx.previous_delay().unwrap_or_default();
+                    probe.on_retry_ok(&msg, asked, state.not_before_ms);
+                    drop(ctx);
+                    Ok(())
+                }
                 Some(ms) if ctx.attempt() == 0 => {
                     probe.on_fail(&msg);
                     let d = Duration::from_millis(u64::from(ms));
                     if d == RETRY_DELAY {
                         Err(HandlerError::transient("bench: fails once"))
                     } else {
-                        Err(ctx.retry_after(d, "bench: fails once"))
+                        Err(HandlerError::retry_after(d, "bench: fails once"))
                     }
                 }
                 _ => {
@@ -89,7 +111,7 @@ pub async fn start_inbox(
     // The same statement as the raw side's.
     let insert: Arc<str> = format!(
         "INSERT INTO {} (message_id, body) VALUES ($1, $2)",
-        crate::pg::effects_sql(inbox.schema_ref().name())
+        crate::pg::effects_sql(inbox.configured_schema().name())
     )
     .into();
     let handler = inbox.handler_fn(move |m: Raw, ctx: Context, mut tx: Tx| {
@@ -130,8 +152,8 @@ impl<H: Handler<Raw>> Handler<Raw> for Counted<H> {
 
 /// Runs the worker and waits until it consumes.
 async fn run(builder: WorkerBuilder, cancel: CancellationToken) -> Result<JoinHandle<Result<()>>> {
-    let status = builder.status_handle();
     let worker = builder.build().context("building the worker")?;
+    let status = worker.status_handle();
     let handle = tokio::spawn(async move {
         worker.run(cancel).await.context("worker")?;
         Ok::<(), anyhow::Error>(())

@@ -75,12 +75,16 @@ pub struct HopsRow {
     pub max_hops: u32,
     pub broker_cpu_us_per_retry: Option<f64>,
     pub bench_cpu_us_per_retry: f64,
+    /// The policy's delays divided by this (`Sizes::hops_time_divisor`).
+    pub time_divisor: u32,
 }
 
-/// The scenario's policy, the same on both sides.
-fn policy() -> RetryPolicy {
-    RetryPolicy::exponential(Duration::from_millis(100))
-        .cap(Duration::from_secs(6))
+/// The scenario's policy, the same on both sides: exponential from 100 ms, cap 6 s, both divided
+/// by `divisor` (`--short`: 5).
+fn policy(divisor: u32) -> RetryPolicy {
+    let divisor = divisor.max(1);
+    RetryPolicy::exponential(Duration::from_millis(100) / divisor)
+        .cap(Duration::from_secs(6) / divisor)
         .jitter(Jitter::Full)
         .max_retries(RETRIES)
 }
@@ -152,7 +156,7 @@ async fn drain(ctx: &Ctx, round: u32, variant: HopsVariant) -> Result<HopsRow> {
         let builder = Worker::builder(ctx.url.as_str())
             .tls(crate::broker::tls_from_env())
             .topology(topology.clone())
-            .policy(policy())
+            .policy(policy(ctx.sizes.hops_time_divisor))
             .prefetch(PREFETCH)
             .concurrency(CONCURRENCY)
             .handler(move |_: Raw, c: Context| {
@@ -173,8 +177,8 @@ async fn drain(ctx: &Ctx, round: u32, variant: HopsVariant) -> Result<HopsRow> {
                     }
                 }
             });
-        let status = builder.status_handle();
         let worker = builder.build().context("building the worker")?;
+        let status = worker.status_handle();
         let mut handle = tokio::spawn(worker.run(token.clone()));
         let ready_by = Instant::now() + Duration::from_secs(30);
         while !status.is_ready() {
@@ -226,6 +230,7 @@ async fn drain(ctx: &Ctx, round: u32, variant: HopsVariant) -> Result<HopsRow> {
             max_hops: u32::try_from(counts.max_hops.load(Ordering::Relaxed)).unwrap_or(u32::MAX),
             broker_cpu_us_per_retry: b0.zip(b1).map(|(a, b)| per(b.saturating_sub(a))),
             bench_cpu_us_per_retry: per(c1.saturating_sub(c0)),
+            time_divisor: ctx.sizes.hops_time_divisor,
         })
     }
     .await;
@@ -255,6 +260,10 @@ fn ratio(rows: &[HopsRow], f: impl Fn(&HopsRow) -> Option<f64>) -> Option<RoundS
 
 pub fn render(rows: &[HopsRow], s: &mut String) {
     use std::fmt::Write as _;
+    let divided = match rows.first().map_or(1, |r| r.time_divisor) {
+        1 => String::new(),
+        d => format!("; this run divided both by {d} (`--short`), so its tick counts are smaller"),
+    };
     let opt = |v: Option<f64>| v.map(|v| format!("{v:.1}")).unwrap_or_else(|| "n/a".into());
     let _ = writeln!(
         s,
@@ -264,7 +273,7 @@ pub fn render(rows: &[HopsRow], s: &mut String) {
         s,
         "One worker in the bench process; every message fails {RETRIES} times (transient error), then \
 succeeds. Policy: exponential from 100 ms, cap 6 s, full jitter, on delay levels of 1 ms ticks \
-(the tick counts, so the bit counts, of 1 s to 60 s at 10 ms). **exact**: `jittered_hops(0)`; \
+(the tick counts, so the bit counts, of 1 s to 60 s at 10 ms){divided}. **exact**: `jittered_hops(0)`; \
 **rounded**: `jittered_hops({ROUNDED_HOPS})`, the default. Hops = set bits of the tick count \
 each retry copy carries; CPU per retry over the drain (backlog publish to last success).\n"
     );

@@ -45,7 +45,7 @@ async fn one(ctx: &Ctx, side: Side) -> Result<InflightRow> {
         let warm = ctx.sizes.inflight_warmup;
         small.backlog(&name, warm, &|_| None).await?;
         child.run("ok", warm, Ctx::timeout_for(warm)).await?;
-        let rss_idle = settled_rss(child.pid).await?;
+        let rss_idle = settled_rss(ctx, child.pid).await?;
 
         let big = ctx.publisher_sized(side, INFLIGHT_BODY_BYTES).await?;
         child.start_run("hold", held).await?;
@@ -57,7 +57,7 @@ async fn one(ctx: &Ctx, side: Side) -> Result<InflightRow> {
                 side.name()
             );
         }
-        let rss_after = settled_rss(child.pid).await?;
+        let rss_after = settled_rss(ctx, child.pid).await?;
         let peak = stats::mem(Some(child.pid))?.hwm_kb;
         child.quit().await?;
         Ok::<_, anyhow::Error>(InflightRow {

@@ -5,6 +5,7 @@ mod happy;
 mod hops;
 mod inbox;
 mod inflight;
+mod native;
 mod outbox;
 mod outbox_refused;
 mod park;
@@ -12,6 +13,7 @@ mod retry;
 mod scale;
 
 pub use hops::{render as render_hops, HopsRow};
+pub use native::{render as render_native, NativeRow};
 
 use std::path::PathBuf;
 use std::sync::atomic::AtomicU64;
@@ -201,6 +203,9 @@ impl Ctx {
             concurrency: CONCURRENCY,
             track_delay: false,
             pg_schema: None,
+            retry_mode: None,
+            jittered: false,
+            dedup: false,
         }
     }
 
@@ -293,13 +298,14 @@ where
     Ok(rows)
 }
 
-/// RSS of a child once it has settled: the largest of 8 samples a quarter second apart, after 2 s.
-pub async fn settled_rss(pid: u32) -> Result<u64> {
-    tokio::time::sleep(Duration::from_secs(2)).await;
+/// RSS of a child once it has settled: the largest of a few samples after a pause (full: 8
+/// samples a quarter second apart, after 2 s; see [`crate::config::Sizes::rss_settle`]).
+pub async fn settled_rss(ctx: &Ctx, pid: u32) -> Result<u64> {
+    tokio::time::sleep(ctx.sizes.rss_settle).await;
     let mut best = 0;
-    for _ in 0..8 {
+    for _ in 0..ctx.sizes.rss_samples {
         best = best.max(stats::mem(Some(pid))?.rss_kb);
-        tokio::time::sleep(Duration::from_millis(250)).await;
+        tokio::time::sleep(ctx.sizes.rss_sample).await;
     }
     Ok(best)
 }
@@ -480,6 +486,7 @@ async fn run_scenarios(ctx: &Ctx, only: &[Scenario], report: &mut Report) -> Res
             Scenario::Outbox => outbox::run(ctx, report).await,
             Scenario::OutboxRefused => outbox_refused::run(ctx, report).await,
             Scenario::Hops => hops::run(ctx, report).await,
+            Scenario::Native => native::run(ctx, report).await,
         };
         if let Err(e) = r {
             eprintln!("scenario {s:?} failed: {e:#}");
@@ -540,6 +547,7 @@ fn add_targets(report: &mut Report) {
             true,
         ));
     }
+    targets.extend(native::targets(&report.native));
     for d in report.delay.iter().filter(|d| d.side == Side::Redeliver) {
         targets.push(Target {
             name: format!("delay accuracy ({})", d.label),

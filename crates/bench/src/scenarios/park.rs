@@ -62,7 +62,7 @@ async fn one(ctx: &Ctx, side: Side) -> Result<ParkRow> {
         child.start_run("ok", n).await?;
         publisher.backlog(&name, n, &|_| Some(short_ms)).await?;
         child.wait_done(Ctx::timeout_for(n * 2)).await?;
-        let rss_none = settled_rss(child.pid).await?;
+        let rss_none = settled_rss(ctx, child.pid).await?;
 
         let long_ms = PARK_DELAY.as_millis() as u32;
         child.start_run("fail", n).await?;
@@ -78,7 +78,7 @@ async fn one(ctx: &Ctx, side: Side) -> Result<ParkRow> {
             tokio::time::sleep(Duration::from_millis(200)).await;
             now_parked = parked(ctx).await?.saturating_sub(before);
         }
-        let rss_parked = settled_rss(child.pid).await?;
+        let rss_parked = settled_rss(ctx, child.pid).await?;
         let peak = stats::mem(Some(child.pid))?.hwm_kb;
         child.quit().await?;
         // The parked copies are bound for this queue: purge them with the delay levels at the end.
