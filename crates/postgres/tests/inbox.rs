@@ -5,18 +5,26 @@
 // forbid it in library code).
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
-mod common;
+#[path = "common/context.rs"]
+mod context;
+#[path = "common/effects.rs"]
+mod effects;
+#[path = "common/test_db.rs"]
+mod test_db;
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::{context, counters, TestDb};
+use context::context;
+use redeliver_core::{ErrorKind, HandlerError};
 use redeliver_postgres::{
     Inbox, OutboxMessage, TransactionalHandler, Tx, INBOX_DUPLICATES_TOTAL, NO_IDEMPOTENCY_KEY,
     NO_MESSAGE_ID,
 };
-use redeliver_worker::{Context, ErrorKind, Handler, HandlerError, Raw};
+use redeliver_testkit::recorder::recorder;
+use redeliver_worker::{Context, Handler, Raw};
+use test_db::TestDb;
 
 /// Writes one `effects` row per call (keyed by the message id or the idempotency header), and
 /// optionally an outbox message; sleeps on its first call, fails on demand.
@@ -107,7 +115,7 @@ async fn a_dropped_duplicate_is_logged_once_at_info_with_its_message_id() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn same_message_twice_runs_the_handler_once() {
-    let counters = counters(); // installed before anything is counted
+    let recorded = recorder(); // installed before anything is counted
     let db = TestDb::with_effects().await;
     let c = consumer();
     let effect = Effect::new(&db);
@@ -123,7 +131,7 @@ async fn same_message_twice_runs_the_handler_once() {
     assert_eq!(db.count("effects").await, 1);
     assert_eq!(db.count("inbox").await, 1);
     assert_eq!(
-        counters.get(INBOX_DUPLICATES_TOTAL, &format!("consumer={c}")),
+        recorded.counter(INBOX_DUPLICATES_TOTAL, &format!("consumer={c}")),
         1
     );
     // Another consumer has keys of its own.
@@ -371,7 +379,7 @@ async fn cleanup_deletes_old_rows_in_batches_and_keeps_new_ones() {
 
     // The background task, with a short retention.
     insert(c.clone(), 4, "2 hours").await;
-    let token = redeliver_worker::CancellationToken::new();
+    let token = tokio_util::sync::CancellationToken::new();
     let task = Inbox::new(db.pool.clone(), &c)
         .schema(db.schema.clone())
         .retention(Duration::from_secs(3600))
@@ -390,15 +398,17 @@ async fn cleanup_deletes_old_rows_in_batches_and_keeps_new_ones() {
 
 mod worker {
     use super::*;
-    use redeliver_worker::lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
-    use redeliver_worker::lapin::BasicProperties;
-    use redeliver_worker::{CancellationToken, DelayConfig, QueueType, Topology, Worker};
+    use redeliver_amqp::lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
+    use redeliver_amqp::lapin::BasicProperties;
+    use redeliver_amqp::{DelayConfig, QueueType, Topology};
+    use redeliver_worker::Worker;
+    use tokio_util::sync::CancellationToken;
 
     /// A real worker, each of N messages published twice: exactly N effects.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_worker_with_an_inbox_applies_each_message_once() {
         const N: usize = 30;
-        let counters = counters();
+        let recorded = recorder();
         let db = TestDb::with_effects().await;
         let prefix = redeliver_testkit::unique_prefix("rdpg-", 8, "-");
         let _cleanup = redeliver_testkit::Cleanup(prefix.clone());
@@ -422,6 +432,8 @@ mod worker {
                 .topology(topology)
                 .concurrency(8)
                 .handler(inbox.handler(effect.clone()))
+                .build()
+                .expect("build")
                 .run(token.clone()),
         );
         let conn = redeliver_testkit::connect().await;
@@ -453,14 +465,14 @@ mod worker {
             }
         }
         let labels = format!("consumer={c}");
-        while counters.get(INBOX_DUPLICATES_TOTAL, &labels) < N as u64
+        while recorded.counter(INBOX_DUPLICATES_TOTAL, &labels) < N as u64
             || db.count("inbox").await < N as i64
         {
             assert!(
                 Instant::now() < deadline + Duration::from_secs(30),
                 "{} effects, {} duplicates so far",
                 db.count("effects").await,
-                counters.get(INBOX_DUPLICATES_TOTAL, &labels)
+                recorded.counter(INBOX_DUPLICATES_TOTAL, &labels)
             );
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
@@ -474,7 +486,7 @@ mod worker {
                 .unwrap();
         assert_eq!(distinct, N as i64);
         assert_eq!(effect.calls(), N);
-        assert_eq!(counters.get(INBOX_DUPLICATES_TOTAL, &labels), N as u64);
+        assert_eq!(recorded.counter(INBOX_DUPLICATES_TOTAL, &labels), N as u64);
         assert_eq!(redeliver_testkit::ready_count(&conn, &queue).await, 0);
     }
 }

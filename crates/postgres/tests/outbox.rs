@@ -4,19 +4,30 @@
 // forbid it in library code).
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
-mod common;
+#[path = "common/context.rs"]
+mod context;
+#[path = "common/effects.rs"]
+mod effects;
+#[path = "common/outbox_rows.rs"]
+mod outbox_rows;
+#[path = "common/test_db.rs"]
+mod test_db;
 
 use std::collections::BTreeSet;
 use std::time::{Duration, Instant};
 
-use common::{context, counters, TestDb};
+use context::context;
+use redeliver_amqp::lapin::Connection;
+use redeliver_core::HandlerError;
 use redeliver_postgres::{
     pending, Inbox, Outbox, OutboxMessage, Relay, Tx, OUTBOX_OLDEST_AGE_SECONDS, OUTBOX_PENDING,
 };
+use redeliver_testkit::recorder::recorder;
 use redeliver_testkit::{drain_queue, eventually, Cleanup};
-use redeliver_worker::lapin::Connection;
-use redeliver_worker::{CancellationToken, Context, Handler, HandlerError, Raw};
+use redeliver_worker::{Context, Handler, Raw};
 use sqlx::postgres::PgListener;
+use test_db::TestDb;
+use tokio_util::sync::CancellationToken;
 
 /// A relay of `db`'s outbox on the test broker.
 fn relay(db: &TestDb) -> Relay {
@@ -247,7 +258,7 @@ async fn pending_names_a_missing_outbox_table() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_relay_reports_what_waits_in_its_gauges() {
-    let counters = counters(); // installed before the relay registers its gauges
+    let recorded = recorder(); // installed before the relay registers its gauges
     let db = TestDb::new().await;
     db.schema.migrate(&db.pool).await.unwrap();
     let (_cleanup, conn, queue) = broker().await;
@@ -268,11 +279,11 @@ async fn the_relay_reports_what_waits_in_its_gauges() {
     );
     wait_for(&conn, &queue, 1).await;
     eventually(Duration::from_secs(10), || {
-        counters.gauge(OUTBOX_PENDING, &labels) == Some(1.0)
+        recorded.gauge(OUTBOX_PENDING, &labels) == Some(1.0)
     })
     .await;
-    let count = counters.gauge(OUTBOX_PENDING, &labels);
-    let age = counters.gauge(OUTBOX_OLDEST_AGE_SECONDS, &labels);
+    let count = recorded.gauge(OUTBOX_PENDING, &labels);
+    let age = recorded.gauge(OUTBOX_OLDEST_AGE_SECONDS, &labels);
     token.cancel();
     relay.await.unwrap().expect("relay");
     assert_eq!(count, Some(1.0), "pending gauge: the unroutable row waits");
@@ -302,31 +313,40 @@ async fn a_relay_killed_after_the_confirm_publishes_again_and_the_inbox_runs_onc
 
     let token = CancellationToken::new();
     let first = tokio::spawn(relay(&db).run(token.clone()));
-    wait_for(&conn, &queue, 1).await;
-    // Killed as a crashed process is: its task gone first (so it cannot start another round),
-    // then its backend, still in the transaction, terminated.
-    first.abort();
-    let _ = first.await;
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        let killed: Vec<bool> = sqlx::query_scalar(
-            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity
+    // The relay sends its DELETE only once the broker has confirmed the publish; the trigger
+    // holds it there. Waiting for the message in the queue instead would race the confirm: a
+    // relay aborted between the two never sends its DELETE at all.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let pid = loop {
+        let held: Option<i32> = sqlx::query_scalar(
+            "SELECT pid FROM pg_stat_activity
               WHERE state = 'active' AND query LIKE 'DELETE%' AND query LIKE '%' || $1 || '%'
                 AND pid <> pg_backend_pid()",
         )
         .bind(&db.name)
-        .fetch_all(&db.pool)
+        .fetch_optional(&db.pool)
         .await
         .unwrap();
-        if killed.contains(&true) {
-            break;
+        if let Some(pid) = held {
+            break pid;
         }
         assert!(
             Instant::now() < deadline,
             "the relay never reached its DELETE"
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    };
+    // Killed as a crashed process is: its task gone first (so it cannot start another round),
+    // then its backend, still in the transaction, terminated.
+    first.abort();
+    let _ = first.await;
+    let killed: bool = sqlx::query_scalar("SELECT pg_terminate_backend($1)")
+        .bind(pid)
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    assert!(killed, "the relay's backend {pid} was terminated");
+    wait_for(&conn, &queue, 1).await;
     assert_eq!(db.count("outbox").await, 1, "the row survives the relay");
 
     sqlx::raw_sql(&format!("DROP TRIGGER hold ON {}.outbox", db.name))

@@ -6,22 +6,27 @@
 // forbid it in library code).
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
-mod common;
+#[path = "common/outbox_rows.rs"]
+mod outbox_rows;
+#[path = "common/test_db.rs"]
+mod test_db;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
 
-use common::{counters, TestDb};
+use redeliver_amqp::lapin::options::{ExchangeDeclareOptions, QueueBindOptions};
+use redeliver_amqp::lapin::types::FieldTable;
+use redeliver_amqp::lapin::{Connection, ExchangeKind};
+use redeliver_core::{Jitter, RetryPolicy};
 use redeliver_postgres::{
     pending, Error, OutboxMessage, ParkedFilter, ParkedRows, Relay, RelayState, OUTBOX_PARKED,
     OUTBOX_PARKED_TOTAL,
 };
+use redeliver_testkit::recorder::recorder;
 use redeliver_testkit::{declare_queue, drain_queue, Cleanup};
-use redeliver_worker::lapin::options::{ExchangeDeclareOptions, QueueBindOptions};
-use redeliver_worker::lapin::types::FieldTable;
-use redeliver_worker::lapin::{Connection, ExchangeKind};
-use redeliver_worker::{CancellationToken, Jitter, RetryPolicy};
 use sqlx::Row;
+use test_db::TestDb;
+use tokio_util::sync::CancellationToken;
 
 /// A broker connection and a unique prefix (everything under it deleted when the guard drops).
 async fn broker() -> (Cleanup, Connection, String) {
@@ -279,7 +284,7 @@ async fn a_row_that_closes_the_channel_is_found_and_the_others_go_out() {
 /// gauges; replayed, it is published once the broker takes it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_row_refused_to_the_end_is_parked_and_a_replay_publishes_it() {
-    let counters = counters();
+    let recorded = recorder();
     let db = TestDb::new().await;
     db.schema.migrate(&db.pool).await.unwrap();
     let (_cleanup, conn, prefix) = broker().await;
@@ -304,11 +309,11 @@ async fn a_row_refused_to_the_end_is_parked_and_a_replay_publishes_it() {
     .await;
     let label = format!("outbox={}.outbox", db.name);
     until("the parked gauge", Duration::from_secs(10), async || {
-        counters.gauge(OUTBOX_PARKED, &label) == Some(1.0)
+        recorded.gauge(OUTBOX_PARKED, &label) == Some(1.0)
     })
     .await;
     assert_eq!(
-        counters.get(
+        recorded.counter(
             OUTBOX_PARKED_TOTAL,
             &format!("{label},reason=retries_exhausted")
         ),
@@ -508,9 +513,9 @@ async fn a_bad_url_ends_the_relay_and_an_unreachable_broker_does_not() {
 /// The relay connects over TLS (amqps://, the test CA) as the worker does, and publishes.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_relay_publishes_over_tls() {
+    use redeliver_amqp::TlsConfig;
     use redeliver_testkit::mgmt::Client;
     use redeliver_testkit::{amqps_url, tls_broker, tls_file};
-    use redeliver_worker::TlsConfig;
 
     let broker = tls_broker();
     let prefix = redeliver_testkit::unique_prefix("rdpgt-", 8, "-");

@@ -4,10 +4,11 @@
 // forbid it in library code).
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
-mod common;
+#[path = "common/test_db.rs"]
+mod test_db;
 
-use common::TestDb;
 use redeliver_postgres::{Error, Schema};
+use test_db::TestDb;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn migrations_are_idempotent_and_recorded() {
