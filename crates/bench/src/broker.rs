@@ -71,9 +71,20 @@ pub fn management_sweep(base: &str, prefix: &str) -> Result<Vec<String>, String>
     Client::new(base).delete_prefix(prefix)
 }
 
-/// The broker's version from the management API at `base`, if reachable.
-pub fn management_version(base: &str) -> Option<String> {
-    Client::new(base).version().ok()
+/// The version and cluster name of the node behind the management API at `base`.
+pub fn management_identity(base: &str) -> Option<(String, Option<String>)> {
+    let overview = Client::new(base).get_json("/api/overview").ok()?;
+    let version = overview["rabbitmq_version"].as_str()?.to_owned();
+    let cluster = overview["cluster_name"].as_str().map(str::to_owned);
+    Some((version, cluster))
+}
+
+/// The version and cluster name the broker at `url` announces when a connection opens: the
+/// broker the scenarios run against, whatever the management URL points at.
+pub async fn amqp_identity(url: &str) -> Option<(String, Option<String>)> {
+    let info = redeliver_amqp::ServerInfo::probe(url).await.ok()?;
+    let version = info.version_text();
+    (!version.is_empty()).then(|| (version.to_owned(), info.cluster_name().map(str::to_owned)))
 }
 
 /// The OS pid of the broker node behind the management API at `base` (`/api/overview`'s node,

@@ -11,8 +11,15 @@ use std::process::Command;
 
 #[test]
 fn short_mode_completes_and_prints_the_tables() {
+    // The test broker's management API (RABBITMQ_MGMT_URL), made to answer, not the bench's
+    // default: a management API of another node gives the bench that node's version.
+    let management =
+        redeliver_testkit::fixtures::management_url().unwrap_or_else(|e| panic!("{e}"));
+    let version = tokio::runtime::Runtime::new()
+        .expect("a tokio runtime")
+        .block_on(redeliver_testkit::broker_version());
     let out = Command::new(env!("CARGO_BIN_EXE_redeliver-bench"))
-        .arg("--short")
+        .args(["--short", "--management-url", &management])
         .output()
         .expect("running redeliver-bench");
     let stdout = String::from_utf8_lossy(&out.stdout);
@@ -57,6 +64,28 @@ fn short_mode_completes_and_prints_the_tables() {
         assert!(
             stdout.contains(needle),
             "missing {needle:?} in the report:\n{stdout}\nstderr:\n{stderr}"
+        );
+    }
+    // Scenario 11 runs its native side where the queue holds retries (RabbitMQ 4.3+) and says
+    // why it did not elsewhere.
+    let native_rows = [
+        "| retry | worker, Native (AMQP 1.0) | 2 |",
+        "| happy | worker, Native (AMQP 1.0) | 2 |",
+        "retry: retries/s, native / levels",
+    ];
+    for needle in native_rows {
+        assert_eq!(
+            stdout.contains(needle),
+            version.holds_native_retries(),
+            "RabbitMQ {version}: {needle:?} should be in the report only from 4.3 on:\n{stdout}\n\
+             stderr:\n{stderr}"
+        );
+    }
+    if !version.holds_native_retries() {
+        assert!(
+            stdout.contains("holds no retries in a queue"),
+            "RabbitMQ {version}: the report should say why scenario 11 ran no native side:\n\
+             {stdout}"
         );
     }
 }

@@ -354,13 +354,34 @@ pub async fn run_all(opts: RunOptions) -> Result<()> {
     };
     let delay_quorum = child::delay_config(&prefix, QueueKind::Quorum);
     let delay_classic = child::delay_config(&prefix, QueueKind::Classic);
+    // The version comes from the broker the scenarios use. A management API of another node
+    // (a management URL left at its default while AMQP_URL points elsewhere) would give that
+    // node's version, and its process's CPU as the broker's.
+    let amqp = broker::amqp_identity(&opts.url).await;
+    let management = broker::management_identity(&opts.management_url);
+    let same_node = match (&amqp, &management) {
+        (Some((av, ac)), Some((mv, mc))) => av == mv && (ac.is_none() || mc.is_none() || ac == mc),
+        _ => true,
+    };
+    if let (false, Some((av, ac)), Some((mv, mc))) = (same_node, &amqp, &management) {
+        eprintln!(
+            "note: the management API at {} is RabbitMQ {mv} (cluster {}), the broker at {} is \
+             RabbitMQ {av} (cluster {}): another node, so broker CPU is n/a and the final sweep \
+             misses this run's leftovers; pass --management-url (RABBITMQ_MANAGEMENT_URL)",
+            redeliver_amqp::url::redact(&opts.management_url),
+            mc.as_deref().unwrap_or("?"),
+            redeliver_amqp::url::redact(&opts.url),
+            ac.as_deref().unwrap_or("?"),
+        );
+    }
     let broker_pid = match opts.broker_pid {
         Some(pid) if broker::is_beam(pid) => Some(pid),
         Some(pid) => {
             eprintln!("note: --broker-pid {pid} is not a beam.smp process here: broker CPU n/a");
             None
         }
-        None => broker::broker_pid(&opts.management_url),
+        None if same_node => broker::broker_pid(&opts.management_url),
+        None => None,
     };
     let ctx = Ctx {
         url: opts.url.clone(),
@@ -370,8 +391,10 @@ pub async fn run_all(opts: RunOptions) -> Result<()> {
         delay_classic,
         sizes: opts.sizes.clone(),
         broker_pid,
-        broker_version: broker::management_version(&opts.management_url)
-            .unwrap_or_else(|| "(version unknown: management API unreachable)".into()),
+        broker_version: amqp
+            .map(|(v, _)| v)
+            .or_else(|| management.map(|(v, _)| v))
+            .unwrap_or_else(|| "(version unknown)".into()),
         pad: payload::padding().into(),
         seq: Arc::new(AtomicU64::new(0)),
         declared: Mutex::new(Vec::new()),
