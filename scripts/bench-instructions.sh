@@ -19,7 +19,7 @@ command -v valgrind > /dev/null || { echo "valgrind is not installed (apt-get in
 [ -x "$bin" ] || { echo "$bin not found: cargo build --release -p redeliver-bench" >&2; exit 1; }
 
 # Messages each happy-path child handles: the backlog plus the paced phase (crates/bench/src/config.rs).
-short_msgs=$((5000 + 1000))
+short_msgs=$((5000 + 300))
 full_msgs=$((100000 + 10000))
 
 for size in short full; do

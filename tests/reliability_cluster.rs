@@ -5,7 +5,7 @@
 //! node (the worker's own failover: `WorkerBuilder::failover_urls`, the URLs tried in turn) and
 //! nothing is lost.
 //!
-//! Part of the default run, on every broker CI tests (about 40 s, plus 20-40 s to form the
+//! Part of the default run, on every broker CI tests (about 30 s, plus 20-40 s to form the
 //! cluster when it is not running; with `RD_CLUSTER_CHROOT` the nodes are of that version):
 //!
 //! ```text
@@ -30,7 +30,7 @@ use redeliver::QueueType;
 use redeliver_testkit::nodes::Nodes;
 use reliability::{report, Scenario, Shape};
 
-const N: usize = 3000;
+const N: usize = 2000;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn stopping_the_workers_node_loses_nothing() {
@@ -67,7 +67,7 @@ async fn stopping_the_workers_node_loses_nothing() {
             .spawn("w");
         s.wait_consumers(1, Duration::from_secs(30)).await;
 
-        // Messages flow (through node 3) during both faults: 25 every 300 ms, about 40 s.
+        // Messages flow (through node 3) during both faults: 25 every 300 ms, about 24 s.
         let chunks: Vec<Vec<String>> = ids.chunks(25).map(<[String]>::to_vec).collect();
         let publisher = {
             let s = Arc::clone(&s);

@@ -134,7 +134,7 @@ pub struct Sizes {
     /// Scenario 10: messages that fail 7 times each with a jittered policy.
     pub hops: u64,
     /// Scenario 10's policy (exponential from 100 ms, cap 6 s) is divided by this: `--short`
-    /// waits a fifth as long, with smaller tick counts than the realistic ones.
+    /// waits a tenth as long, with smaller tick counts than the realistic ones.
     pub hops_time_divisor: u32,
     /// The memory scenarios (6 and park): how long a child settles before its RSS is sampled,
     /// and how many samples (the largest counts), `rss_sample` apart.
@@ -153,7 +153,7 @@ pub struct Sizes {
 
 impl Sizes {
     /// `scripts/bench-instructions.sh` counts on `happy + paced` of both sizes (110,000 and
-    /// 6,000 messages per happy-path consumer): change it with them.
+    /// 5,300 messages per happy-path consumer): change it with them.
     pub fn full() -> Self {
         Sizes {
             rounds: 5,
@@ -189,9 +189,9 @@ impl Sizes {
             rounds: 2,
             happy: 5_000,
             retry: 1_000,
-            paced: 1_000,
+            paced: 300,
             paced_rate: 1_000,
-            delay_probes: 200,
+            delay_probes: 100,
             delay_max: Duration::from_secs(1),
             parked: 2_000,
             scale: 5_000,
@@ -202,7 +202,7 @@ impl Sizes {
             outbox_latency: 500,
             outbox_backlog: 1_000,
             hops: 200,
-            hops_time_divisor: 5,
+            hops_time_divisor: 10,
             rss_settle: Duration::from_millis(500),
             rss_samples: 4,
             rss_sample: Duration::from_millis(100),

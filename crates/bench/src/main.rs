@@ -40,7 +40,7 @@ const CHILD_LOG_ENV: &str = "REDELIVER_BENCH_CHILD_LOG";
     about = "redeliver vs a raw lapin consumer: throughput, latency, delay accuracy, memory, inbox and outbox"
 )]
 struct Cli {
-    /// Small sizes (5,000 messages, 2 rounds, 200 delay probes over 0-1 s, 2,000 parked, 1,000
+    /// Small sizes (5,000 messages, 2 rounds, 100 delay probes over 0-1 s, 2,000 parked, 1,000
     /// inbox messages and outbox rows) that prove the benchmark works in a couple of minutes;
     /// the numbers are not meaningful.
     #[arg(long)]
