@@ -14,20 +14,9 @@ use std::time::Duration;
 use common::*;
 use messages::*;
 use redeliver_testkit::connect_to;
-use redeliver_testkit::mgmt::Client;
+use redeliver_testkit::TlsCleanup;
 use redeliver_testkit::{message_ids, reject_all, tls_broker, tls_file, wait_count};
 use serde_json::{json, Value};
-
-/// Deletes the test's objects from the TLS broker when dropped (it may not be the default one).
-struct TlsCleanup(String);
-
-impl Drop for TlsCleanup {
-    fn drop(&mut self) {
-        if let Err(e) = Client::new(&tls_broker().mgmt_url).delete_prefix(&self.0) {
-            eprintln!("cleanup of {}: {e}", self.0);
-        }
-    }
-}
 
 /// `dlq list` over amqps:// with the test CA; with an unrelated CA the command fails, says why,
 /// and prints no password. The URL and the CA also come from files / the environment

@@ -514,19 +514,10 @@ async fn a_bad_url_ends_the_relay_and_an_unreachable_broker_does_not() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_relay_publishes_over_tls() {
     use redeliver_amqp::TlsConfig;
-    use redeliver_testkit::mgmt::Client;
-    use redeliver_testkit::{amqps_url, tls_broker, tls_file};
+    use redeliver_testkit::{amqps_url, tls_broker, tls_file, TlsCleanup};
 
     let broker = tls_broker();
     let prefix = redeliver_testkit::unique_prefix("rdpgt-", 8, "-");
-    struct TlsCleanup(String);
-    impl Drop for TlsCleanup {
-        fn drop(&mut self) {
-            if let Err(e) = Client::new(&tls_broker().mgmt_url).delete_prefix(&self.0) {
-                eprintln!("cleanup of {}: {e}", self.0);
-            }
-        }
-    }
     let _cleanup = TlsCleanup(prefix.clone());
     let conn = redeliver_testkit::connect_to(&broker.amqp_url).await;
     let queue = format!("{prefix}out");

@@ -196,6 +196,19 @@ impl Drop for Cleanup {
     }
 }
 
+/// [`Cleanup`] on the TLS tests' broker ([`tls_broker`]), which need not be the one
+/// `RABBITMQ_MGMT_URL` names.
+#[derive(Debug)]
+pub struct TlsCleanup(pub String);
+
+impl Drop for TlsCleanup {
+    fn drop(&mut self) {
+        if let Err(e) = mgmt::Client::new(&tls_broker().mgmt_url).delete_prefix(&self.0) {
+            eprintln!("cleanup of {}: {e}", self.0);
+        }
+    }
+}
+
 /// What a passive declare tells about a queue: no statistics lag, unlike the management API.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct QueueDepth {
@@ -546,6 +559,14 @@ pub fn record(calls: &Calls, id: &str, attempt: u32) -> usize {
     let v = map.entry(id.to_owned()).or_default();
     v.push((attempt, Instant::now()));
     v.len()
+}
+
+/// When `id` was handled, in the order [`record`]ed: empty if never.
+pub fn times_of(calls: &Calls, id: &str) -> Vec<Instant> {
+    let map = calls.lock().unwrap_or_else(|p| p.into_inner());
+    map.get(id)
+        .map(|v| v.iter().map(|(_, t)| *t).collect())
+        .unwrap_or_default()
 }
 
 /// Consumes `n` messages of `queue` and rejects each (requeue = false) in delivery order, so

@@ -22,21 +22,9 @@ use redeliver_amqp::lapin::types::{AMQPValue, FieldTable};
 use redeliver_amqp::QueueType;
 use redeliver_core::{HandlerError, Jitter, RetryPolicy};
 use redeliver_testkit::{amqp_url, broker_version, drain_queue, wait_count};
+use redeliver_testkit::{record, times_of, Calls};
 use redeliver_worker::{Context, Raw, RetryMode, Worker, WorkerError};
 use tokio_util::sync::CancellationToken;
-
-/// Calls per message id, with the time of each.
-type Calls = Arc<Mutex<Vec<(String, Instant)>>>;
-
-fn calls_of(calls: &Calls, id: &str) -> Vec<Instant> {
-    calls
-        .lock()
-        .unwrap()
-        .iter()
-        .filter(|(i, _)| i == id)
-        .map(|(_, t)| *t)
-        .collect()
-}
 
 /// The handler: `ok` succeeds, `perm` fails permanently, `flaky` fails twice then succeeds,
 /// anything else fails transiently.
@@ -58,7 +46,7 @@ fn builder(
             let calls = Arc::clone(&calls);
             async move {
                 let id = ctx.message_id().unwrap_or_default().to_owned();
-                calls.lock().unwrap().push((id.clone(), Instant::now()));
+                record(&calls, &id, ctx.attempt());
                 match id.as_str() {
                     "ok" => Ok(()),
                     "perm" => Err(HandlerError::permanent("width must be positive")),
@@ -98,7 +86,7 @@ async fn the_queue_holds_retries_and_dead_letters_with_the_reason() {
         assert_eq!(status.retry_mode(), Some(RetryMode::Levels));
         publish_all(&conn, &queue, vec![(b"{}".to_vec(), props("flaky"))]).await;
         assert!(
-            redeliver_testkit::eventually(Duration::from_secs(20), || calls_of(&calls, "flaky")
+            redeliver_testkit::eventually(Duration::from_secs(20), || times_of(&calls, "flaky")
                 .len()
                 == 3)
             .await,
@@ -126,14 +114,14 @@ async fn the_queue_holds_retries_and_dead_letters_with_the_reason() {
     let dlq = topo.dlq_name();
     wait_count(&conn, &dlq, 2, Duration::from_secs(30)).await;
     assert!(
-        redeliver_testkit::eventually(Duration::from_secs(10), || calls_of(&calls, "flaky").len()
+        redeliver_testkit::eventually(Duration::from_secs(10), || times_of(&calls, "flaky").len()
             == 3)
         .await,
         "flaky succeeded on its third attempt"
     );
     // The delays the queue held: 400 ms then 800 ms, within 50 ms + 2 %.
     for id in ["flaky", "exhausted"] {
-        let times = calls_of(&calls, id);
+        let times = times_of(&calls, id);
         assert_eq!(times.len(), 3, "{id}: one call and two retries");
         for (i, asked) in [400u64, 800].into_iter().enumerate() {
             let observed = times[i + 1].duration_since(times[i]).as_millis() as u64;
@@ -144,9 +132,9 @@ async fn the_queue_holds_retries_and_dead_letters_with_the_reason() {
             );
         }
     }
-    assert_eq!(calls_of(&calls, "ok").len(), 1);
+    assert_eq!(times_of(&calls, "ok").len(), 1);
     assert_eq!(
-        calls_of(&calls, "perm").len(),
+        times_of(&calls, "perm").len(),
         1,
         "a permanent error is never retried"
     );
@@ -223,12 +211,12 @@ async fn a_retry_delivered_early_never_runs_early() {
     )
     .await;
     assert!(
-        redeliver_testkit::eventually(Duration::from_secs(10), || calls_of(&calls, "ok").len()
+        redeliver_testkit::eventually(Duration::from_secs(10), || times_of(&calls, "ok").len()
             == 1)
         .await,
         "the early retry ran once it was due"
     );
-    let waited = calls_of(&calls, "ok")[0].duration_since(published);
+    let waited = times_of(&calls, "ok")[0].duration_since(published);
     assert!(
         waited >= Duration::from_millis(1400),
         "ran after {waited:?}, before its time"
@@ -272,7 +260,7 @@ async fn undecodable_forwarded_and_in_flight_at_shutdown() {
             let calls = Arc::clone(&seen);
             async move {
                 let id = ctx.message_id().unwrap_or_default().to_owned();
-                calls.lock().unwrap().push((id.clone(), Instant::now()));
+                record(&calls, &id, ctx.attempt());
                 match id.as_str() {
                     "slow" => tokio::time::sleep(Duration::from_secs(2)).await,
                     "timeout" => tokio::time::sleep(Duration::from_secs(5)).await,
@@ -304,7 +292,7 @@ async fn undecodable_forwarded_and_in_flight_at_shutdown() {
     wait_count(&conn, &dlq, 1, Duration::from_secs(20)).await;
     wait_count(&conn, &heavy, 1, Duration::from_secs(20)).await;
     assert!(
-        calls_of(&calls, "garbage").is_empty(),
+        times_of(&calls, "garbage").is_empty(),
         "the handler never sees what does not decode"
     );
     let dead = drain_queue(&conn, &dlq).await;
@@ -326,14 +314,14 @@ async fn undecodable_forwarded_and_in_flight_at_shutdown() {
     // A stop with a handler in flight: it finishes within the grace period and is settled.
     publish_all(&conn, &queue, vec![(b"{}".to_vec(), props("slow"))]).await;
     assert!(
-        redeliver_testkit::eventually(Duration::from_secs(10), || calls_of(&calls, "slow").len()
+        redeliver_testkit::eventually(Duration::from_secs(10), || times_of(&calls, "slow").len()
             == 1)
         .await,
         "slow started"
     );
     token.cancel();
     run.await.unwrap().unwrap();
-    assert_eq!(calls_of(&calls, "slow").len(), 1);
+    assert_eq!(times_of(&calls, "slow").len(), 1);
     let depth = redeliver_testkit::queue_depth(&conn, &queue).await.unwrap();
     assert_eq!(
         depth.ready, 0,
@@ -370,10 +358,7 @@ async fn a_native_retry_is_handled_by_a_levels_worker() {
             .handler(move |_: Raw, ctx: Context| {
                 let calls = Arc::clone(&calls);
                 async move {
-                    calls.lock().unwrap().push((
-                        ctx.message_id().unwrap_or_default().to_owned(),
-                        Instant::now(),
-                    ));
+                    record(&calls, ctx.message_id().unwrap_or_default(), ctx.attempt());
                     Err::<(), _>(HandlerError::transient(std::io::Error::other("503")))
                 }
             })
@@ -382,12 +367,12 @@ async fn a_native_retry_is_handled_by_a_levels_worker() {
     let (_status, run) = run_consuming(first, &token).await;
     publish_all(&conn, &queue, vec![(b"{}".to_vec(), props("mix"))]).await;
     assert!(
-        redeliver_testkit::eventually(Duration::from_secs(10), || calls_of(&calls, "mix").len()
+        redeliver_testkit::eventually(Duration::from_secs(10), || times_of(&calls, "mix").len()
             == 1)
         .await,
         "first attempt"
     );
-    let failed_at = calls_of(&calls, "mix")[0];
+    let failed_at = times_of(&calls, "mix")[0];
     // Let the outcome reach the broker, then stop: the retry waits in the queue.
     tokio::time::sleep(Duration::from_millis(200)).await;
     token.cancel();
@@ -402,10 +387,7 @@ async fn a_native_retry_is_handled_by_a_levels_worker() {
                 let calls = Arc::clone(&calls);
                 let attempts = Arc::clone(&attempts);
                 async move {
-                    calls.lock().unwrap().push((
-                        ctx.message_id().unwrap_or_default().to_owned(),
-                        Instant::now(),
-                    ));
+                    record(&calls, ctx.message_id().unwrap_or_default(), ctx.attempt());
                     attempts.lock().unwrap().push(ctx.attempt());
                     Ok::<(), HandlerError>(())
                 }
@@ -414,12 +396,12 @@ async fn a_native_retry_is_handled_by_a_levels_worker() {
     let token = CancellationToken::new();
     let (_status, run) = run_consuming(second, &token).await;
     assert!(
-        redeliver_testkit::eventually(Duration::from_secs(10), || calls_of(&calls, "mix").len()
+        redeliver_testkit::eventually(Duration::from_secs(10), || times_of(&calls, "mix").len()
             == 2)
         .await,
         "the levels worker handled the native retry"
     );
-    let waited = calls_of(&calls, "mix")[1].duration_since(failed_at);
+    let waited = times_of(&calls, "mix")[1].duration_since(failed_at);
     assert!(
         waited >= Duration::from_millis(1450),
         "handled after {waited:?}, before its time"

@@ -16,8 +16,8 @@ mod common;
 #[path = "common/consuming.rs"]
 mod consuming;
 
-use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::sync::Arc;
+use std::time::Duration;
 
 use common::*;
 use consuming::run_consuming;
@@ -26,21 +26,9 @@ use redeliver_amqp::{QueueType, TlsConfig};
 use redeliver_core::{HandlerError, Jitter, RetryPolicy};
 use redeliver_testkit::mgmt::Client;
 use redeliver_testkit::{amqps_url, drain_queue, eventually, tls_broker, tls_file, wait_count};
+use redeliver_testkit::{record, times_of, Calls, TlsCleanup};
 use redeliver_worker::{Context, Raw, RetryMode, Worker, WorkerError};
 use tokio_util::sync::CancellationToken;
-
-/// Calls per message id, with the time of each.
-type Calls = Arc<Mutex<Vec<(String, Instant)>>>;
-
-fn calls_of(calls: &Calls, id: &str) -> Vec<Instant> {
-    calls
-        .lock()
-        .unwrap()
-        .iter()
-        .filter(|(i, _)| i == id)
-        .map(|(_, t)| *t)
-        .collect()
-}
 
 fn trusted() -> TlsConfig {
     TlsConfig::new().ca_file(tls_file("ca.pem"))
@@ -79,17 +67,6 @@ fn native_impossible(version: BrokerVersion) -> Option<&'static str> {
         Some("without TLS")
     } else {
         None
-    }
-}
-
-/// Deletes the test's objects from the TLS node when dropped.
-struct TlsCleanup(String);
-
-impl Drop for TlsCleanup {
-    fn drop(&mut self) {
-        if let Err(e) = Client::new(&tls_broker().mgmt_url).delete_prefix(&self.0) {
-            eprintln!("cleanup of {}: {e}", self.0);
-        }
     }
 }
 
@@ -146,7 +123,7 @@ fn builder(
             let calls = Arc::clone(&calls);
             async move {
                 let id = ctx.message_id().unwrap_or_default().to_owned();
-                calls.lock().unwrap().push((id.clone(), Instant::now()));
+                record(&calls, &id, ctx.attempt());
                 match id.as_str() {
                     "ok" => Ok(()),
                     "perm" => Err(HandlerError::permanent("width must be positive")),
@@ -204,7 +181,7 @@ async fn native_refused_levels_used(
     )
     .await;
     assert!(
-        eventually(Duration::from_secs(20), || calls_of(&calls, "flaky").len()
+        eventually(Duration::from_secs(20), || times_of(&calls, "flaky").len()
             == 3)
         .await,
         "RabbitMQ {version}: flaky retried twice through the levels over TLS"
@@ -259,7 +236,7 @@ async fn native_retry_over_amqps_holds_the_delay_and_dead_letters_with_the_reaso
     let dlq = topo.dlq_name();
     wait_count(&conn, &dlq, 2, Duration::from_secs(30)).await;
     assert!(
-        eventually(Duration::from_secs(10), || calls_of(&calls, "flaky").len()
+        eventually(Duration::from_secs(10), || times_of(&calls, "flaky").len()
             == 3)
         .await,
         "flaky succeeded on its third attempt"
@@ -269,7 +246,7 @@ async fn native_retry_over_amqps_holds_the_delay_and_dead_letters_with_the_reaso
     // 700 ms late over TLS (never seen over plain AMQP, nor in a bare AMQP 1.0 consumer over
     // TLS), so the upper bound only says the retry was not lost to a redelivery elsewhere.
     for id in ["flaky", "exhausted"] {
-        let times = calls_of(&calls, id);
+        let times = times_of(&calls, id);
         assert_eq!(times.len(), 3, "{id}: one call and two retries");
         for (i, asked) in [400u64, 800].into_iter().enumerate() {
             let observed = times[i + 1].duration_since(times[i]).as_millis() as u64;
@@ -284,8 +261,8 @@ async fn native_retry_over_amqps_holds_the_delay_and_dead_letters_with_the_reaso
             );
         }
     }
-    assert_eq!(calls_of(&calls, "ok").len(), 1);
-    assert_eq!(calls_of(&calls, "perm").len(), 1, "never retried");
+    assert_eq!(times_of(&calls, "ok").len(), 1);
+    assert_eq!(times_of(&calls, "perm").len(), 1, "never retried");
     assert!(!status.native_retry_ignored());
     let dead = drain_queue(&conn, &dlq).await;
     let mut reasons: Vec<(String, String)> = dead
@@ -358,7 +335,7 @@ async fn native_retry_logs_in_with_the_client_certificate() {
     .await;
     let seen = listed_amqp1_connection(&name).await;
     assert!(
-        eventually(Duration::from_secs(20), || calls_of(&calls, "flaky").len()
+        eventually(Duration::from_secs(20), || times_of(&calls, "flaky").len()
             == 3)
         .await,
         "flaky retried twice by the queue"

@@ -19,6 +19,7 @@ use redeliver_amqp::ConnectError;
 use redeliver_amqp::{QueueType, TlsConfig};
 use redeliver_core::{HandlerError, RetryPolicy};
 use redeliver_testkit::mgmt::Client;
+use redeliver_testkit::TlsCleanup;
 use redeliver_testkit::{amqps_url, tls_broker, tls_file};
 use redeliver_testkit::{drain_queue, eventually, ready_count, record, Calls, Got};
 use redeliver_worker::{Context, Json, Worker, WorkerState};
@@ -44,17 +45,6 @@ fn anonymous(url: &str) -> String {
 /// `localhost` replaced by `127.0.0.1`: the same broker, a name its certificate does not list.
 fn by_ip(url: &str) -> String {
     url.replacen("localhost", "127.0.0.1", 1)
-}
-
-/// Deletes the test's objects from the TLS broker when dropped (it may not be the default one).
-struct TlsCleanup(String);
-
-impl Drop for TlsCleanup {
-    fn drop(&mut self) {
-        if let Err(e) = Client::new(&tls_broker().mgmt_url).delete_prefix(&self.0) {
-            eprintln!("cleanup of {}: {e}", self.0);
-        }
-    }
 }
 
 /// The TLS broker's record of the connection named `name` (listed a few seconds after it
