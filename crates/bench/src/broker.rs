@@ -82,7 +82,12 @@ pub fn management_identity(base: &str) -> Option<(String, Option<String>)> {
 /// The version and cluster name the broker at `url` announces when a connection opens: the
 /// broker the scenarios run against, whatever the management URL points at.
 pub async fn amqp_identity(url: &str) -> Option<(String, Option<String>)> {
-    let info = redeliver_amqp::ServerInfo::probe(url).await.ok()?;
+    // With the run's TLS settings: an amqps:// broker with a private CA answers only to those.
+    let uri: lapin::uri::AMQPUri = url.parse().ok()?;
+    let tls = tls_from_env().load().ok()?;
+    let info = redeliver_amqp::ServerInfo::probe_uri(&uri, tls)
+        .await
+        .ok()?;
     let version = info.version_text();
     (!version.is_empty()).then(|| (version.to_owned(), info.cluster_name().map(str::to_owned)))
 }
