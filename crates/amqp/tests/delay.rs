@@ -50,6 +50,33 @@ async fn run_batch(conn: &Connection, t: &Topology, delays: &[Duration]) -> Vec<
     let ch = conn.create_channel().await.unwrap();
     let mut consumer = consume(&ch, &t.queue_name()).await;
     let _measuring = BROKER_BUSY.read().await;
+    // Arrivals are timed by a task of their own, running while the publishes below still wait
+    // for their confirms: timed after the publish loop instead, a message due before the loop
+    // ends (the 0 ms one) looked 60-100 ms late on a busy broker.
+    let expected = delays.len();
+    let longest = delays.iter().max().copied().unwrap_or_default();
+    let receiver = tokio::spawn(async move {
+        let deadline = tokio::time::Instant::now() + longest + Duration::from_secs(10);
+        let mut received = Vec::with_capacity(expected);
+        while received.len() < expected {
+            let next = tokio::time::timeout_at(deadline, consumer.next())
+                .await
+                .unwrap_or_else(|_| panic!("only {} of {expected} arrived", received.len()))
+                .expect("consumer ended")
+                .expect("delivery");
+            let now = Instant::now();
+            let id = next
+                .properties
+                .message_id()
+                .as_ref()
+                .unwrap()
+                .as_str()
+                .to_owned();
+            received.push((id, now));
+            next.ack(BasicAckOptions::default()).await.unwrap();
+        }
+        received
+    });
     let mut sent = HashMap::new();
     for (i, d) in delays.iter().enumerate() {
         let props = BasicProperties::default().with_message_id(i.to_string().into());
@@ -59,27 +86,14 @@ async fn run_batch(conn: &Connection, t: &Topology, delays: &[Duration]) -> Vec<
             .await
             .expect("publish_delayed");
     }
-    let mut arrivals = Vec::new();
-    let longest = delays.iter().max().copied().unwrap_or_default();
-    let deadline = tokio::time::Instant::now() + longest + Duration::from_secs(10);
-    while arrivals.len() < delays.len() {
-        let next = tokio::time::timeout_at(deadline, consumer.next())
-            .await
-            .unwrap_or_else(|_| panic!("only {} of {} arrived", arrivals.len(), delays.len()))
-            .expect("consumer ended")
-            .expect("delivery");
-        let now = Instant::now();
-        let id = next
-            .properties
-            .message_id()
-            .as_ref()
-            .unwrap()
-            .as_str()
-            .to_owned();
-        let i: usize = id.parse().unwrap();
-        arrivals.push((i, now - sent[&id]));
-        next.ack(BasicAckOptions::default()).await.unwrap();
-    }
+    let received = match receiver.await {
+        Ok(received) => received,
+        Err(e) => std::panic::resume_unwind(e.into_panic()),
+    };
+    let arrivals = received
+        .into_iter()
+        .map(|(id, at)| (id.parse().unwrap(), at - sent[&id]))
+        .collect();
     // A later batch on the same queue must not lose deliveries to this consumer.
     ch.close(200, "batch done".into())
         .await
@@ -188,17 +202,25 @@ async fn short_delays_overtake_long_ones() {
         .collect();
     redeliver_testkit::with_cleanup(
         async {
-            let arrivals = run_batch(&conn, &t, &delays).await;
-            let order: Vec<usize> = arrivals.iter().map(|(i, _)| *i).collect();
-            println!("arrival order (indices into {delays:?}): {order:?}");
-            assert_eq!(order, vec![3, 4, 5, 6, 2, 1, 0]);
-            for (i, took) in arrivals {
-                let d = delays[i];
+            // As in `delays_are_accurate`: an early message fails at once; a late one, or an
+            // order a burst after a host stall shuffled, must repeat in two more batches (a
+            // head-of-line block does, every time).
+            let mut failed_batches = Vec::new();
+            for batch in 1..=3 {
+                let arrivals = run_batch(&conn, &t, &delays).await;
+                let order: Vec<usize> = arrivals.iter().map(|(i, _)| *i).collect();
+                println!("batch {batch}: arrival order (indices into {delays:?}): {order:?}");
+                let (early, late) = judge(&delays, &arrivals);
                 assert!(
-                    took >= d && took <= d + ms(50) + d / 50,
-                    "{d:?} took {took:?}"
+                    early.is_empty(),
+                    "batch {batch}: came early (delay, took): {early:?}"
                 );
+                if order == [3, 4, 5, 6, 2, 1, 0] && late.is_empty() {
+                    return;
+                }
+                failed_batches.push((order, late));
             }
+            panic!("out of order or late in every batch (order, late): {failed_batches:?}");
         },
         cleanup(&conn, &t),
     )
