@@ -14,7 +14,8 @@
 //! So the depth is bounded before the parser runs: a scan without recursion finds each
 //! top-level header's depth and length, and an entry nested deeper than the limit is replaced
 //! by a string saying so. Everything else passes through unchanged, body frames without a copy
-//! (see docs/upstream/amq-protocol-nested-field-table-stack-overflow.md).
+//! (see docs/upstream/amq-protocol-nested-field-table-stack-overflow.md). The frame boundaries
+//! are followed by [`crate::framing`]'s filter, the one under the AMQP 1.0 guard too.
 //!
 //! The same scan repairs the short strings a publisher writes and lapin refuses when they are not
 //! UTF-8 (RabbitMQ does not check them): properties such as `message_id` or `content_type`, and
@@ -44,6 +45,8 @@ use lapin::tcp::{AMQPUriTcpExt, AsyncTcpStream, OwnedTLSConfig};
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::uri::AMQPUri;
 use lapin::{Connection, ConnectionProperties};
+
+use crate::framing::{FrameFilter, FrameRules, Route};
 
 /// How deep a header value may nest (a top-level array or table is level 1) before it is
 /// removed on receipt. Real headers nest 3 levels (`x-death`: an array of tables of arrays);
@@ -88,177 +91,67 @@ const CONNECTION_TUNE: [u8; 4] = [0, 10, 0, 30];
 /// How many removed header names the marker lists.
 const NAMES_LISTED: usize = 8;
 
-/// What the guard is doing with the bytes coming in.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum State {
-    /// Reading a frame's 7-byte head.
-    Head,
-    /// Passing this many more bytes of the current frame through as they are.
-    Pass(usize),
-    /// Buffering a frame's payload and end byte (this many in all) to look at it whole.
-    Hold(usize),
-    /// Not a frame stream (the broker answered the protocol header with its own): everything
-    /// passes through, lapin reports it.
-    Transparent,
-}
-
-/// The byte-level rewriter: frames in, frames out.
-pub(crate) struct FrameGuard {
-    state: State,
-    head: [u8; FRAME_HEAD],
-    head_len: usize,
-    held: Vec<u8>,
-    out: Vec<u8>,
-    out_pos: usize,
+/// The AMQP 0-9-1 frames the guard holds and rewrites: a [`FrameFilter`] over these is the
+/// guard.
+pub(crate) struct Rules {
     /// The frame size a rewritten frame must fit (0: no limit): the broker's, from
     /// `connection.tune`, or the client's own lower one.
     frame_max: u32,
     client_frame_max: u32,
 }
 
-impl fmt::Debug for FrameGuard {
+impl fmt::Debug for Rules {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("FrameGuard")
-            .field("state", &self.state)
+        f.debug_struct("Rules")
             .field("frame_max", &self.frame_max)
             .finish_non_exhaustive()
     }
 }
 
-impl FrameGuard {
-    /// `client_frame_max`: the frame size the client asks for (0: the broker's).
-    pub(crate) fn new(client_frame_max: u32) -> Self {
-        Self {
-            state: State::Head,
-            head: [0; FRAME_HEAD],
-            head_len: 0,
-            held: Vec::new(),
-            out: Vec::new(),
-            out_pos: 0,
-            frame_max: client_frame_max,
-            client_frame_max,
-        }
+/// The byte-level rewriter: frames in, frames out.
+pub(crate) type FrameGuard = FrameFilter<Rules>;
+
+/// A guard for a client asking for `client_frame_max` (0: the broker's).
+pub(crate) fn frame_guard(client_frame_max: u32) -> FrameGuard {
+    FrameFilter::new(Rules {
+        frame_max: client_frame_max,
+        client_frame_max,
+    })
+}
+
+impl FrameRules for Rules {
+    /// Type, channel, size.
+    const HEAD: usize = FRAME_HEAD;
+
+    fn frames_start_with(&self, first: u8) -> bool {
+        // Otherwise `AMQP` and a version: the broker refuses ours. Not frames to guard.
+        matches!(
+            first,
+            FRAME_METHOD | FRAME_HEADER | FRAME_BODY | FRAME_HEARTBEAT_OLD | FRAME_HEARTBEAT
+        )
     }
 
-    /// Bytes ready for the parser.
-    pub(crate) fn pending(&self) -> &[u8] {
-        &self.out[self.out_pos..]
-    }
-
-    /// `n` bytes of [`Self::pending`] were taken.
-    pub(crate) fn consume(&mut self, n: usize) {
-        self.out_pos += n;
-        if self.out_pos >= self.out.len() {
-            self.out.clear();
-            self.out_pos = 0;
-        }
-    }
-
-    /// How many bytes coming next may go to the parser as they are, without passing through
-    /// the guard (nothing pending, inside a frame that is passed through).
-    pub(crate) fn direct(&self) -> usize {
-        if !self.pending().is_empty() {
-            return 0;
-        }
-        match self.state {
-            State::Pass(n) => n,
-            State::Transparent => usize::MAX,
-            State::Head | State::Hold(_) => 0,
-        }
-    }
-
-    /// `n` bytes (at most [`Self::direct`]) went to the parser directly.
-    pub(crate) fn passed_directly(&mut self, n: usize) {
-        if let State::Pass(left) = self.state {
-            let left = left.saturating_sub(n);
-            self.state = if left == 0 {
-                State::Head
-            } else {
-                State::Pass(left)
-            };
-        }
-    }
-
-    /// Takes bytes read from the broker; what the parser may see goes to [`Self::pending`].
-    pub(crate) fn feed(&mut self, mut input: &[u8]) {
-        while !input.is_empty() {
-            match self.state {
-                State::Transparent => {
-                    self.out.extend_from_slice(input);
-                    return;
-                }
-                State::Pass(left) => {
-                    let n = left.min(input.len());
-                    self.out.extend_from_slice(&input[..n]);
-                    input = &input[n..];
-                    self.state = if left == n {
-                        State::Head
-                    } else {
-                        State::Pass(left - n)
-                    };
-                }
-                State::Head => {
-                    let n = (FRAME_HEAD - self.head_len).min(input.len());
-                    self.head[self.head_len..self.head_len + n].copy_from_slice(&input[..n]);
-                    self.head_len += n;
-                    input = &input[n..];
-                    if !matches!(
-                        self.head[0],
-                        FRAME_METHOD
-                            | FRAME_HEADER
-                            | FRAME_BODY
-                            | FRAME_HEARTBEAT_OLD
-                            | FRAME_HEARTBEAT
-                    ) {
-                        // `AMQP` and a version: the broker refuses ours. Not frames to guard.
-                        self.out.extend_from_slice(&self.head[..self.head_len]);
-                        self.head_len = 0;
-                        self.state = State::Transparent;
-                        continue;
-                    }
-                    if self.head_len < FRAME_HEAD {
-                        continue;
-                    }
-                    self.head_len = 0;
-                    let size = u32::from_be_bytes([
-                        self.head[3],
-                        self.head[4],
-                        self.head[5],
-                        self.head[6],
-                    ]) as usize;
-                    let rest = size.saturating_add(1);
-                    // Content headers are the frames that can nest or carry a publisher's
-                    // properties; method frames carry `connection.tune` (channel 0) and a
-                    // publisher's exchange and routing key (`basic.deliver`). Both are small
-                    // and held whole; bodies pass through.
-                    if self.head[0] == FRAME_HEADER || self.head[0] == FRAME_METHOD {
-                        self.held.clear();
-                        self.state = State::Hold(rest);
-                    } else {
-                        self.out.extend_from_slice(&self.head);
-                        self.state = State::Pass(rest);
-                    }
-                }
-                State::Hold(total) => {
-                    let n = (total - self.held.len()).min(input.len());
-                    self.held.extend_from_slice(&input[..n]);
-                    input = &input[n..];
-                    if self.held.len() == total {
-                        self.release_held();
-                        self.state = State::Head;
-                    }
-                }
-            }
+    fn route(&mut self, head: &[u8]) -> Route {
+        let size = u32::from_be_bytes([head[3], head[4], head[5], head[6]]) as usize;
+        // The payload and the end byte.
+        let rest = size.saturating_add(1);
+        // Content headers are the frames that can nest or carry a publisher's properties;
+        // method frames carry `connection.tune` (channel 0) and a publisher's exchange and
+        // routing key (`basic.deliver`). Both are small and held whole; bodies pass through.
+        if head[0] == FRAME_HEADER || head[0] == FRAME_METHOD {
+            Route::Hold(rest)
+        } else {
+            Route::Pass(rest)
         }
     }
 
     /// A held frame is complete: look at it, then hand it (or its rewrite) on.
-    fn release_held(&mut self) {
-        let held = std::mem::take(&mut self.held);
+    fn release(&mut self, frame: &mut [u8], out: &mut Vec<u8>) {
+        let (head, held) = frame.split_at(FRAME_HEAD);
         let (payload, end) = held.split_at(held.len() - 1);
-        let channel = u16::from_be_bytes([self.head[1], self.head[2]]);
+        let channel = u16::from_be_bytes([head[1], head[2]]);
         if end == [FRAME_END] {
-            let rewritten = if self.head[0] == FRAME_METHOD {
+            let rewritten = if head[0] == FRAME_METHOD {
                 if channel == 0 {
                     self.note_tune(payload);
                     None
@@ -269,26 +162,24 @@ impl FrameGuard {
                 sanitize_content_header(payload, self.frame_max)
             };
             if let Some(rewritten) = rewritten {
-                self.out.push(self.head[0]);
-                self.out.extend_from_slice(&self.head[1..3]);
+                out.extend_from_slice(&head[..3]);
                 // A rewrite fits the frame size (checked), so its size fits a u32.
-                self.out.extend_from_slice(
+                out.extend_from_slice(
                     &u32::try_from(rewritten.len())
                         .unwrap_or(u32::MAX)
                         .to_be_bytes(),
                 );
-                self.out.extend_from_slice(&rewritten);
-                self.out.push(FRAME_END);
-                self.held = held;
+                out.extend_from_slice(&rewritten);
+                out.push(FRAME_END);
                 return;
             }
         }
         // Unchanged (a frame without its end byte is lapin's to report).
-        self.out.extend_from_slice(&self.head);
-        self.out.extend_from_slice(&held);
-        self.held = held;
+        out.extend_from_slice(frame);
     }
+}
 
+impl Rules {
     /// `connection.tune` carries the broker's frame size; lapin takes the lower of it and its own.
     fn note_tune(&mut self, payload: &[u8]) {
         if payload.len() >= 10 && payload[..4] == CONNECTION_TUNE {
@@ -658,7 +549,7 @@ impl<S> GuardedStream<S> {
     pub(crate) fn new(inner: S, client_frame_max: u32) -> Self {
         Self {
             inner,
-            guard: FrameGuard::new(client_frame_max),
+            guard: frame_guard(client_frame_max),
             scratch: vec![0; SCRATCH].into_boxed_slice(),
         }
     }
@@ -917,7 +808,7 @@ mod tests {
 
     /// What the parser gets for `input` fed in chunks of `chunk` bytes.
     fn through(input: &[u8], chunk: usize) -> Vec<u8> {
-        let mut g = FrameGuard::new(0);
+        let mut g = frame_guard(0);
         let mut out = Vec::new();
         for c in input.chunks(chunk) {
             g.feed(c);
@@ -1264,7 +1155,7 @@ mod cost {
         .concat();
         let n = 200_000;
         let stream = one.repeat(n);
-        let mut g = FrameGuard::new(0);
+        let mut g = frame_guard(0);
         let mut sink = vec![0u8; 64 * 1024];
         let started = Instant::now();
         for chunk in stream.chunks(SCRATCH) {

@@ -40,8 +40,10 @@
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
 // One path per item: `headers`, `properties` and `url` are namespaces of constants and free
-// functions and stay public, with their types; every other module is private and its public
+// functions and stay public, with their types, as does `framing` (the frame filter under both
+// frame guards, this crate's and redeliver-amqp1's); every other module is private and its public
 // items are re-exported here.
+pub mod framing;
 pub mod headers;
 pub mod properties;
 #[cfg(feature = "otel")]
@@ -81,7 +83,7 @@ pub mod fuzzing {
     /// a time, the way `GuardedStream::poll_read` reads: inside a frame passed as it is, bytes go
     /// straight through; everything else is fed to the guard.
     pub fn guard_stream(input: &[u8], chunk: usize, client_frame_max: u32) -> Vec<u8> {
-        let mut guard = crate::frame_guard::FrameGuard::new(client_frame_max);
+        let mut guard = crate::frame_guard::frame_guard(client_frame_max);
         let mut out = Vec::new();
         let mut rest = input;
         while !rest.is_empty() {

@@ -16,8 +16,9 @@
 //!
 //! # What the guard reads
 //!
-//! Writes pass through untouched. Reads are AMQP 1.0 wire data (OASIS AMQP 1.0, part 2): the
-//! 8-byte protocol headers (`AMQP` 3 1 0 0, then `AMQP` 0 1 0 0 after the SASL outcome), then
+//! Writes pass through untouched. Reads go through `redeliver_amqp::framing`'s frame filter,
+//! the one under the 0-9-1 guard too, with this protocol's rules. They are AMQP 1.0 wire data
+//! (OASIS AMQP 1.0, part 2): the 8-byte protocol headers (`AMQP` 3 1 0 0, then `AMQP` 0 1 0 0 after the SASL outcome), then
 //! frames: a 4-byte size, `doff`, type (0 AMQP, 1 SASL), channel, extended header, body. Every
 //! frame is held whole (at most one at a time, up to [`MAX_FRAME_SIZE`]) and passed on as it is,
 //! except the `transfer` performatives' payloads: the bytes after the performative are a part of
@@ -115,6 +116,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::task::{ready, Context, Poll};
 
+use redeliver_amqp::framing::{FrameFilter, FrameRules, Route};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 
 use scan::{Scanner, Stop};
@@ -191,20 +193,6 @@ impl Cuts {
     }
 }
 
-/// What the guard does with the bytes coming in.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum State {
-    /// Reading a frame's size (or a protocol header's `AMQP`).
-    Head,
-    /// Holding a frame of this many bytes (size included) to read it whole.
-    Hold(usize),
-    /// Passing this many more bytes through as they are (a protocol header's last 4 bytes, a
-    /// frame larger than [`MAX_FRAME_SIZE`]).
-    Pass(usize),
-    /// Framing is lost (a size below 8): everything passes, fe2o3 fails on it.
-    Transparent,
-}
-
 /// A delivery in progress on one link.
 #[derive(Debug)]
 struct InFlight {
@@ -216,159 +204,73 @@ struct InFlight {
     marked: bool,
 }
 
-/// The byte-level guard: frames in, frames out.
-pub(crate) struct FrameGuard {
-    state: State,
-    head: [u8; 4],
-    head_len: usize,
-    held: Vec<u8>,
-    out: Vec<u8>,
-    out_pos: usize,
+/// The AMQP 1.0 frames the guard reads and cuts: a [`FrameFilter`] over these is the guard.
+pub(crate) struct Rules {
     links: HashMap<(u16, u32), InFlight>,
     cuts: Cuts,
 }
 
-impl fmt::Debug for FrameGuard {
+impl fmt::Debug for Rules {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("FrameGuard")
-            .field("state", &self.state)
+        f.debug_struct("Rules")
             .field("deliveries_in_progress", &self.links.len())
             .finish_non_exhaustive()
     }
 }
 
-impl FrameGuard {
-    pub(crate) fn new(cuts: Cuts) -> Self {
-        Self {
-            state: State::Head,
-            head: [0; 4],
-            head_len: 0,
-            held: Vec::new(),
-            out: Vec::new(),
-            out_pos: 0,
-            links: HashMap::new(),
-            cuts,
-        }
-    }
+/// The byte-level guard: frames in, frames out.
+pub(crate) type FrameGuard = FrameFilter<Rules>;
 
-    /// Bytes ready for fe2o3.
-    pub(crate) fn pending(&self) -> &[u8] {
-        &self.out[self.out_pos..]
-    }
+/// A guard that records the deliveries it cuts in `cuts`.
+pub(crate) fn frame_guard(cuts: Cuts) -> FrameGuard {
+    FrameFilter::new(Rules {
+        links: HashMap::new(),
+        cuts,
+    })
+}
 
-    /// `n` bytes of [`Self::pending`] were taken.
-    pub(crate) fn consume(&mut self, n: usize) {
-        self.out_pos += n.min(self.out.len() - self.out_pos);
-        if self.out_pos >= self.out.len() {
-            self.out.clear();
-            self.out_pos = 0;
-        }
-    }
+impl FrameRules for Rules {
+    /// A frame's size (or a protocol header's `AMQP`).
+    const HEAD: usize = 4;
 
-    /// How many bytes coming next may go to fe2o3 as they are, without a copy.
-    pub(crate) fn direct(&self) -> usize {
-        if !self.pending().is_empty() {
-            return 0;
-        }
-        match self.state {
-            State::Pass(n) => n,
-            State::Transparent => usize::MAX,
-            State::Head | State::Hold(_) => 0,
-        }
-    }
-
-    /// `n` bytes (at most [`Self::direct`]) went to fe2o3 directly.
-    pub(crate) fn passed_directly(&mut self, n: usize) {
-        if let State::Pass(left) = self.state {
-            let left = left.saturating_sub(n);
-            self.state = if left == 0 {
-                State::Head
-            } else {
-                State::Pass(left)
-            };
-        }
-    }
-
-    /// Takes bytes read from the broker; what fe2o3 may see goes to [`Self::pending`].
-    pub(crate) fn feed(&mut self, mut input: &[u8]) {
-        while !input.is_empty() {
-            match self.state {
-                State::Transparent => {
-                    self.out.extend_from_slice(input);
-                    return;
-                }
-                State::Pass(left) => {
-                    let n = left.min(input.len());
-                    self.out.extend_from_slice(&input[..n]);
-                    input = &input[n..];
-                    self.state = if left == n {
-                        State::Head
-                    } else {
-                        State::Pass(left - n)
-                    };
-                }
-                State::Head => {
-                    let n = (4 - self.head_len).min(input.len());
-                    self.head[self.head_len..self.head_len + n].copy_from_slice(&input[..n]);
-                    self.head_len += n;
-                    input = &input[n..];
-                    if self.head_len < 4 {
-                        continue;
-                    }
-                    self.head_len = 0;
-                    let size = u32::from_be_bytes(self.head) as usize;
-                    if self.head == PROTOCOL {
-                        // A protocol header: `AMQP` and 4 bytes of id and version.
-                        self.out.extend_from_slice(&self.head);
-                        self.state = State::Pass(4);
-                    } else if size < FRAME_HEAD {
-                        self.out.extend_from_slice(&self.head);
-                        self.state = State::Transparent;
-                    } else if size > MAX_FRAME_SIZE {
-                        self.out.extend_from_slice(&self.head);
-                        self.state = State::Pass(size - 4);
-                    } else {
-                        self.held.clear();
-                        self.held.extend_from_slice(&self.head);
-                        self.state = State::Hold(size);
-                    }
-                }
-                State::Hold(size) => {
-                    let n = (size - self.held.len()).min(input.len());
-                    self.held.extend_from_slice(&input[..n]);
-                    input = &input[n..];
-                    if self.held.len() == size {
-                        self.release_held();
-                        self.state = State::Head;
-                    }
-                }
-            }
+    fn route(&mut self, head: &[u8]) -> Route {
+        let size = u32::from_be_bytes([head[0], head[1], head[2], head[3]]) as usize;
+        if head == PROTOCOL {
+            // A protocol header: `AMQP` and 4 bytes of id and version.
+            Route::Pass(4)
+        } else if size < FRAME_HEAD {
+            // Framing is lost: everything passes, fe2o3 fails on it.
+            Route::Transparent
+        } else if size > MAX_FRAME_SIZE {
+            // Passed on unread; fe2o3 refuses it.
+            Route::Pass(size - Self::HEAD)
+        } else {
+            Route::Hold(size - Self::HEAD)
         }
     }
 
     /// A held frame is complete: look at it, then hand it (or its rewrite) on.
-    fn release_held(&mut self) {
-        let mut held = std::mem::take(&mut self.held);
-        if let Some(flow) = flow_without_delivery_count(&held) {
-            self.out.extend_from_slice(&flow);
-            self.held = held;
+    fn release(&mut self, held: &mut [u8], out: &mut Vec<u8>) {
+        if let Some(flow) = flow_without_delivery_count(held) {
+            out.extend_from_slice(&flow);
             return;
         }
-        match self.transfer_payload_end(&mut held) {
+        match self.transfer_payload_end(held) {
             Some((keep, mark)) if keep < held.len() => {
                 // `keep` is below the frame's size, which fits a u32.
                 let size = u32::try_from(keep + usize::from(mark)).unwrap_or(u32::MAX);
-                self.out.extend_from_slice(&size.to_be_bytes());
-                self.out.extend_from_slice(&held[4..keep]);
+                out.extend_from_slice(&size.to_be_bytes());
+                out.extend_from_slice(&held[4..keep]);
                 if mark {
-                    self.out.push(CUT_MARK);
+                    out.push(CUT_MARK);
                 }
             }
-            _ => self.out.extend_from_slice(&held),
+            _ => out.extend_from_slice(held),
         }
-        self.held = held;
     }
+}
 
+impl Rules {
     /// For a `transfer` frame, scans its payload; `Some((n, mark))` when only the first `n`
     /// bytes of the frame may pass (the rest of the delivery is cut), followed by the cut mark
     /// if this is where the cut begins; `None` to pass it whole.
@@ -704,7 +606,7 @@ impl<S> GuardedStream<S> {
     pub fn new(inner: S, cuts: Cuts) -> Self {
         Self {
             inner,
-            guard: FrameGuard::new(cuts),
+            guard: frame_guard(cuts),
             scratch: vec![0; SCRATCH].into_boxed_slice(),
         }
     }

@@ -970,7 +970,7 @@ fn a_link_flow_loses_its_delivery_count_and_nothing_else() {
     let mut frame = ((8 + body.len()) as u32).to_be_bytes().to_vec();
     frame.extend_from_slice(&[2, 0, 0, 0]);
     frame.extend_from_slice(&body);
-    let mut guard = super::FrameGuard::new(super::Cuts::default());
+    let mut guard = super::frame_guard(super::Cuts::default());
     guard.feed(&frame);
     let out = guard.pending().to_vec();
     assert!(out.len() < frame.len(), "the count is gone");
@@ -995,7 +995,7 @@ fn a_link_flow_loses_its_delivery_count_and_nothing_else() {
     let mut frame = ((8 + body.len()) as u32).to_be_bytes().to_vec();
     frame.extend_from_slice(&[2, 0, 0, 0]);
     frame.extend_from_slice(&body);
-    let mut guard = super::FrameGuard::new(super::Cuts::default());
+    let mut guard = super::frame_guard(super::Cuts::default());
     guard.feed(&frame);
     assert_eq!(guard.pending(), &frame[..]);
 }
