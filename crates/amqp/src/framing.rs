@@ -225,6 +225,32 @@ impl<R: FrameRules> FrameFilter<R> {
         }
     }
 
+    /// What the parser receives when `input` arrives `chunk` bytes (at least 1) at a time, read
+    /// the way the guarded streams read: inside a frame passed as it is, bytes go straight
+    /// through ([`Self::direct`]); everything else is fed to the filter. For tests and fuzzing:
+    /// the output must not depend on `chunk`.
+    pub fn read_through(&mut self, input: &[u8], chunk: usize) -> Vec<u8> {
+        let mut out = Vec::new();
+        let mut rest = input;
+        while !rest.is_empty() {
+            let n = chunk.max(1).min(rest.len());
+            let direct = self.direct();
+            if direct > 0 {
+                let n = n.min(direct);
+                out.extend_from_slice(&rest[..n]);
+                self.passed_directly(n);
+                rest = &rest[n..];
+            } else {
+                self.feed(&rest[..n]);
+                rest = &rest[n..];
+            }
+            out.extend_from_slice(self.pending());
+            let n = self.pending().len();
+            self.consume(n);
+        }
+        out
+    }
+
     /// What is held so far goes out as it is, and the filter goes on in `next`.
     fn pass_on(&mut self, next: State) {
         self.out.extend_from_slice(&self.held);
@@ -264,28 +290,9 @@ mod tests {
         }
     }
 
-    /// What the parser sees when `input` arrives `chunk` bytes at a time, read the way the
-    /// guarded streams read: straight through where `direct` allows, through `feed` otherwise.
     fn through(input: &[u8], chunk: usize) -> (Vec<u8>, usize) {
         let mut filter = FrameFilter::new(Toy::default());
-        let mut out = Vec::new();
-        let mut rest = input;
-        while !rest.is_empty() {
-            let n = chunk.max(1).min(rest.len());
-            let direct = filter.direct();
-            if direct > 0 {
-                let n = n.min(direct);
-                out.extend_from_slice(&rest[..n]);
-                filter.passed_directly(n);
-                rest = &rest[n..];
-            } else {
-                filter.feed(&rest[..n]);
-                rest = &rest[n..];
-            }
-            out.extend_from_slice(filter.pending());
-            let n = filter.pending().len();
-            filter.consume(n);
-        }
+        let out = filter.read_through(input, chunk);
         (out, filter.rules().released)
     }
 

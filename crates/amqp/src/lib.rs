@@ -80,28 +80,9 @@ pub use topology::{Binding, Topology, TopologyWarning};
 pub mod fuzzing {
     /// What lapin's parser receives when the broker sends `input` through the frame guard of a
     /// client asking for `client_frame_max`, read from the socket `chunk` bytes (at least 1) at
-    /// a time, the way `GuardedStream::poll_read` reads: inside a frame passed as it is, bytes go
-    /// straight through; everything else is fed to the guard.
+    /// a time, the way `GuardedStream::poll_read` reads
+    /// ([`crate::framing::FrameFilter::read_through`]).
     pub fn guard_stream(input: &[u8], chunk: usize, client_frame_max: u32) -> Vec<u8> {
-        let mut guard = crate::frame_guard::frame_guard(client_frame_max);
-        let mut out = Vec::new();
-        let mut rest = input;
-        while !rest.is_empty() {
-            let direct = guard.direct();
-            let n = chunk.max(1).min(rest.len());
-            if direct > 0 {
-                let n = n.min(direct);
-                out.extend_from_slice(&rest[..n]);
-                guard.passed_directly(n);
-                rest = &rest[n..];
-            } else {
-                guard.feed(&rest[..n]);
-                rest = &rest[n..];
-            }
-            out.extend_from_slice(guard.pending());
-            let n = guard.pending().len();
-            guard.consume(n);
-        }
-        out
+        crate::frame_guard::frame_guard(client_frame_max).read_through(input, chunk)
     }
 }
