@@ -277,6 +277,18 @@ pub fn split_frames(mut bytes: &[u8]) -> Vec<(u8, u16, &[u8])> {
     out
 }
 
+/// The frames of `frames` that lapin parses: those before the first it refuses (a type other
+/// than method, header, body and heartbeat, or no frame-end byte). lapin 4.12.3 treats a
+/// parse error as critical and closes the connection (`IoLoop::parse`), so nothing after such
+/// a frame reaches its parser, whatever it holds.
+pub fn lapin_reads<'a>(frames: &[(u8, u16, &'a [u8])]) -> Vec<(u8, u16, &'a [u8])> {
+    frames
+        .iter()
+        .take_while(|(kind, _, frame)| matches!(kind, 1 | 2 | 3 | 8) && frame.last() == Some(&0xCE))
+        .copied()
+        .collect()
+}
+
 /// `v` as it can travel: lapin's encoder writes a `ShortString` value with the type tag `_`,
 /// which no parser reads (amq-protocol-types: "ShortString only exists for internal usage"),
 /// and a value received never is one. Each becomes the `LongString` a broker would deliver.
