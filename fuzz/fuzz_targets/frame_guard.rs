@@ -11,8 +11,9 @@
 //! - the output does not depend on how the socket splits the stream;
 //! - frames are neither lost, merged nor reordered;
 //! - every content header in the output that lapin's parser accepts, up to the first frame it
-//!   refuses (a parse error closes lapin's connection), nests at most `MAX_HEADER_DEPTH` levels (parsed on this thread: a guard that let a deep table through
-//!   would overflow the stack here, and the fuzzer reports that as a crash);
+//!   refuses (a parse error closes lapin's connection), nests at most `MAX_HEADER_DEPTH` levels
+//!   (parsed on this thread: a guard that let a deep table through would overflow the stack
+//!   here, and the fuzzer reports that as a crash);
 //! - structured mode: a header that needs no change passes byte for byte; otherwise the output
 //!   parses, keeps every other property, keeps every header nested at most
 //!   `MAX_HEADER_DEPTH` levels with its value, replaces each deeper one by a string, marks the

@@ -18,15 +18,15 @@
 //!
 //! Writes pass through untouched. Reads go through `redeliver_amqp::framing`'s frame filter,
 //! the one under the 0-9-1 guard too, with this protocol's rules. They are AMQP 1.0 wire data
-//! (OASIS AMQP 1.0, part 2): the 8-byte protocol headers (`AMQP` 3 1 0 0, then `AMQP` 0 1 0 0 after the SASL outcome), then
-//! frames: a 4-byte size, `doff`, type (0 AMQP, 1 SASL), channel, extended header, body. Every
-//! frame is held whole (at most one at a time, up to [`MAX_FRAME_SIZE`]) and passed on as it is,
-//! except the `transfer` performatives' payloads: the bytes after the performative are a part of
-//! a message (part 3), which a delivery may spread over several frames (`more`). For each link
-//! (channel and `handle`) a scanner without recursion (`guard/scan.rs`) follows the payload's
-//! encoding (part 1: constructors, fixed and variable widths, lists, maps, arrays whose elements
-//! share one constructor, described values) across frame boundaries, and knows how deep the
-//! decoder will be at every byte. The only change it makes to a payload is the one byte of an
+//! (OASIS AMQP 1.0, part 2): the 8-byte protocol headers (`AMQP` 3 1 0 0, then `AMQP` 0 1 0 0
+//! after the SASL outcome), then frames: a 4-byte size, `doff`, type (0 AMQP, 1 SASL), channel,
+//! extended header, body. Every frame is held whole (at most one at a time, up to
+//! [`MAX_FRAME_SIZE`]) and passed on as it is, except the `transfer` performatives' payloads:
+//! the bytes after the performative are a part of a message (part 3), which a delivery may
+//! spread over several frames (`more`). For each link (channel and `handle`) a scanner without
+//! recursion (`guard/scan.rs`) follows the payload's encoding (part 1: constructors, fixed and
+//! variable widths, lists, maps, arrays whose elements share one constructor, described values)
+//! across frame boundaries, and knows how deep the decoder will be at every byte. The only change it makes to a payload is the one byte of an
 //! array turned into a binary, and the cut.
 //!
 //! # What a cut is
